@@ -1,0 +1,193 @@
+"""The campaign file: one YAML that says what to tune, on what, within which budget.
+
+Loaded with pydantic; every error names the file, the field and what was expected. Paths inside a
+campaign (space, data) are relative to the campaign file; ``output_dir`` is relative to the
+directory the command runs in (under ``ray job submit`` that is the job's working directory).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from autotune._paths import BUILTIN_CAMPAIGNS_DIR
+from autotune.contract import Accelerator, StackCapabilities, TrainableSupport
+from autotune.errors import AutotuneError, InputFileError
+from autotune.model import PRESETS, ModelSpec, model_preset
+from autotune.rules import RuleContext
+from autotune.space import SearchSpace, load_space, resolve_space_path
+from autotune.yaml_io import input_error, load_yaml_mapping
+
+Objective = Literal["useful_tokens_per_s_per_gpu", "model_tflops_per_s_per_gpu"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSection(_Strict):
+    preset: str
+    overrides: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, value: str) -> str:
+        if value not in PRESETS:
+            raise ValueError(f"unknown model preset {value!r}; known presets: {', '.join(PRESETS)}")
+        return value
+
+
+class DataSection(_Strict):
+    source: Literal["builtin_photos", "shards"] = "builtin_photos"
+    """``builtin_photos``: shards built from the real photographs shipped in scikit-image and
+    scikit-learn; ``shards``: a folder of WebDataset tar shards (``path``)."""
+    path: str | None = None
+    realism: Literal["real", "mock"] = "real"
+    """``mock`` (no images) is for benchmarks only: its results are labelled and can never win."""
+
+    @model_validator(mode="after")
+    def _path_matches_source(self) -> "DataSection":
+        if self.source == "shards" and not self.path:
+            raise ValueError("source 'shards' needs path: the folder holding the .tar shards")
+        if self.source == "builtin_photos" and self.path:
+            raise ValueError("path is only used with source 'shards'")
+        return self
+
+
+class HardwareSection(_Strict):
+    accelerator: Accelerator
+    gpus_per_node: int = Field(ge=1, description="GPUs per node (CPU worker slots on a CPU box).")
+    nodes: int = Field(default=1, ge=1)
+    gpus_per_trial: int = Field(ge=1, description="World size of one trial.")
+    memory_cap_fraction: float | None = Field(default=None, gt=0, le=1)
+    """Cap each trial's GPU memory (``torch.cuda.set_per_process_memory_fraction``)."""
+
+    @model_validator(mode="after")
+    def _trial_fits(self) -> "HardwareSection":
+        total = self.gpus_per_node * self.nodes
+        if self.gpus_per_trial > total:
+            raise ValueError(f"gpus_per_trial ({self.gpus_per_trial}) exceeds the cluster's {total} GPUs")
+        return self
+
+
+class StackSection(_Strict):
+    """Assumed software stack; the capability probe replaces it with what is really installed."""
+
+    megatron_core: str | None = None
+    transformer_engine: str | None = None
+    deep_ep: bool = False
+    hybrid_ep: bool = False
+
+
+class BudgetSection(_Strict):
+    max_trials: int = Field(ge=1)
+    gpu_hours: float | None = Field(default=None, gt=0)
+    deadline: datetime | None = None
+    """ISO 8601 with a time zone, e.g. ``2026-12-02T06:00:00Z``."""
+
+    @field_validator("deadline")
+    @classmethod
+    def _aware(cls, value: datetime | None) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            raise ValueError("deadline needs a time zone, e.g. 2026-12-02T06:00:00Z")
+        return value
+
+
+class StagesSection(_Strict):
+    warmup_steps: int = Field(default=3, ge=1)
+    screen_steps: int = Field(default=12, ge=2, description="Steps of a screening burst, warm-up included.")
+    promote_top_k: int = Field(default=3, ge=1)
+    promote_steps: int = Field(default=50, ge=50, description="The winner runs at least 50 steps.")
+
+    @model_validator(mode="after")
+    def _steady_window(self) -> "StagesSection":
+        if self.screen_steps <= self.warmup_steps:
+            raise ValueError(
+                f"screen_steps ({self.screen_steps}) must exceed warmup_steps ({self.warmup_steps}) "
+                "to leave a steady window"
+            )
+        return self
+
+
+class CampaignFile(_Strict):
+    name: str = Field(min_length=1)
+    trainable: str
+    space: str
+    model: ModelSection
+    data: DataSection = Field(default_factory=DataSection)
+    hardware: HardwareSection
+    stack: StackSection = Field(default_factory=StackSection)
+    budget: BudgetSection
+    stages: StagesSection = Field(default_factory=StagesSection)
+    objective: Objective = "useful_tokens_per_s_per_gpu"
+    output_dir: str
+
+    @field_validator("trainable")
+    @classmethod
+    def _known_trainable(cls, value: str) -> str:
+        from trainables import TRAINABLES
+
+        if value not in TRAINABLES:
+            raise ValueError(f"unknown trainable {value!r}; known trainables: {', '.join(TRAINABLES)}")
+        return value
+
+
+@dataclass(frozen=True)
+class Campaign:
+    """A loaded campaign: the file's settings with the space, model and rule context resolved."""
+
+    path: Path
+    spec: CampaignFile
+    space: SearchSpace
+    model: ModelSpec
+    stack: StackCapabilities
+    trainable: TrainableSupport
+
+    @property
+    def rule_context(self) -> RuleContext:
+        return RuleContext(
+            model=self.model,
+            world_size=self.spec.hardware.gpus_per_trial,
+            stack=self.stack,
+            trainable=self.trainable,
+        )
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.spec.output_dir)
+
+
+def builtin_campaign_path(name: str) -> Path:
+    return BUILTIN_CAMPAIGNS_DIR / f"{name}.yaml"
+
+
+def load_campaign(path: Path) -> Campaign:
+    """Load a campaign file and everything it names; errors name the file and the field."""
+    from trainables import trainable_support
+
+    raw = load_yaml_mapping(path)
+    try:
+        spec = CampaignFile.model_validate(raw)
+    except ValidationError as exc:
+        raise input_error(path, exc) from None
+    try:
+        model = model_preset(spec.model.preset, spec.model.overrides)
+    except ValidationError as exc:
+        raise input_error(path, exc, prefix="model.overrides") from None
+    space_path = resolve_space_path(spec.space, path.parent)
+    try:
+        space = load_space(space_path)
+    except InputFileError as exc:
+        if exc.path == space_path and exc.field == "-" and not space_path.exists():
+            raise InputFileError(path, "space", f"no space file at {space_path}") from None
+        raise
+    stack = StackCapabilities(accelerator=spec.hardware.accelerator, **spec.stack.model_dump())
+    try:
+        trainable = trainable_support(spec.trainable)
+    except AutotuneError as exc:
+        raise InputFileError(path, "trainable", str(exc)) from None
+    return Campaign(path=path, spec=spec, space=space, model=model, stack=stack, trainable=trainable)

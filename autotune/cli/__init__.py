@@ -1,0 +1,43 @@
+"""The ``autotune`` command line. Each command group lives in its own module and registers here.
+
+User errors (:class:`~autotune.errors.AutotuneError`) print one clear message and exit with 2;
+anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import typer
+from rich.console import Console
+
+from autotune.errors import AutotuneError
+
+app = typer.Typer(
+    name="autotune",
+    help="Autotuner for MoE vision-language model training (Ray Tune + Optuna, Megatron).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console()
+error_console = Console(stderr=True)
+
+
+def _register() -> None:
+    from autotune.cli import knobs_cmd, space_cmd, validate_cmd
+
+    app.add_typer(space_cmd.app, name="space")
+    app.command("validate")(validate_cmd.validate)
+    app.command("knobs")(knobs_cmd.knobs)
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    _register()
+    try:
+        app()
+    except AutotuneError as exc:
+        error_console.print(f"[bold red]error:[/] {exc}", markup=True, highlight=False)
+        sys.exit(2)

@@ -1,0 +1,101 @@
+"""Capabilities of the target stack: trainable, accelerator, Transformer Engine, DeepEP, versions."""
+
+from __future__ import annotations
+
+from packaging.version import Version
+
+from autotune.knobs import Config
+from autotune.rules._base import RuleContext, rule, selective
+
+
+@rule(
+    "trainable_honours_value",
+    source="stack",
+    summary="the trainable must honour every knob value (never silently ignore one)",
+)
+def _trainable_honours(config: Config, ctx: RuleContext) -> str | None:
+    reasons = [
+        reason
+        for name, value in config.items()
+        if (reason := ctx.trainable.unsupported(name, value, ctx.stack)) is not None
+    ]
+    return "; ".join(reasons) or None
+
+
+@rule("trainable_needs_cuda", source="stack", summary="the trainable needs a CUDA accelerator")
+def _trainable_needs_cuda(config: Config, ctx: RuleContext) -> str | None:
+    if ctx.trainable.requires_cuda and not ctx.stack.has_cuda:
+        return f"the {ctx.trainable.name} trainable trains only on CUDA devices; this stack is {ctx.stack.accelerator}"
+    return None
+
+
+@rule("cuda_graphs_need_cuda", source="stack", summary="CUDA graphs need a CUDA accelerator")
+def _graphs_need_cuda(config: Config, ctx: RuleContext) -> str | None:
+    if config.cuda_graph_impl != "none" and not ctx.stack.has_cuda:
+        return f"cuda_graph_impl={config.cuda_graph_impl} needs a CUDA device; this stack is {ctx.stack.accelerator}"
+    return None
+
+
+@rule(
+    "transformer_engine_graphs_need_te",
+    source="stack",
+    summary="cuda_graph_impl=transformer_engine needs Transformer Engine",
+)
+def _te_graphs_need_te(config: Config, ctx: RuleContext) -> str | None:
+    if config.cuda_graph_impl == "transformer_engine" and ctx.stack.transformer_engine is None:
+        return "transformer_engine graphs need Transformer Engine, which this stack lacks"
+    return None
+
+
+@rule("grouped_gemm_needs_te", source="stack", summary="moe_grouped_gemm needs Transformer Engine")
+def _grouped_gemm_needs_te(config: Config, ctx: RuleContext) -> str | None:
+    if config.moe_grouped_gemm and ctx.stack.transformer_engine is None:
+        return "moe_grouped_gemm uses Transformer Engine's grouped linear, which this stack lacks"
+    return None
+
+
+@rule(
+    "flex_backend_needs_package",
+    source="stack",
+    summary="the flex dispatcher's backend package (deep_ep / HybridEP) must be installed",
+)
+def _flex_backend_package(config: Config, ctx: RuleContext) -> str | None:
+    backend = config.moe_flex_dispatcher_backend
+    if backend == "deepep" and not ctx.stack.deep_ep:
+        return "the flex dispatcher's deepep backend needs the deep_ep package, which this stack lacks"
+    if backend == "hybridep" and not ctx.stack.hybrid_ep:
+        return "the flex dispatcher's hybridep backend needs HybridEP, which this stack lacks"
+    return None
+
+
+@rule(
+    "layernorm_recompute_needs_te_on_mcore_0_19",
+    source="stack",
+    summary="layernorm recompute crashes on megatron-core >= 0.19 without Transformer Engine",
+)
+def _layernorm_recompute(config: Config, ctx: RuleContext) -> str | None:
+    # Measured on the H200 with megatron-core 0.19.2 and no TE: the first step raises
+    # NameError: FP8GlobalStateManager (DESIGN.md §2).
+    stack = ctx.stack
+    if (
+        ctx.trainable.name == "megatron"
+        and selective(config, "layernorm")
+        and stack.transformer_engine is None
+        and stack.megatron_core is not None
+        and Version(stack.megatron_core) >= Version("0.19.0")
+    ):
+        return f"layernorm recompute crashes on megatron-core {stack.megatron_core} without Transformer Engine"
+    return None
+
+
+@rule(
+    "llava_sequence_context_parallel_need_te",
+    source="stack",
+    summary="megatron-core's LLaVAModel asserts TE attention when SP or CP > 1",
+)
+def _llava_sp_cp(config: Config, ctx: RuleContext) -> str | None:
+    if ctx.trainable.name != "megatron" or ctx.stack.transformer_engine is not None:
+        return None
+    if config.sequence_parallel or config.context_parallel_size > 1:
+        return "LLaVAModel needs Transformer Engine attention for sequence or context parallelism"
+    return None

@@ -1,0 +1,101 @@
+"""Config + model preset → megatron-core configs. The one place knobs become Megatron fields.
+
+Field names per megatron-core version come from the knob registry (``cuda_graph_scope`` became
+``cuda_graph_modules`` in 0.19); the one value encoding that changed is handled here: before
+0.19 a full-iteration graph is ``cuda_graph_impl="local"`` with scope ``["full_iteration"]``,
+from 0.19 it is ``cuda_graph_impl="full_iteration"`` with no modules.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from packaging.version import Version
+
+from autotune.knobs import KNOBS, Config
+from autotune.model import ModelSpec
+
+FULL_ITERATION_IMPL_VERSION = Version("0.19.0")
+
+
+def installed_megatron_core_version() -> str:
+    import megatron.core
+
+    return megatron.core.__version__
+
+
+def model_fields(model: ModelSpec) -> dict[str, Any]:
+    """The decoder's shape and training numerics as ``TransformerConfig`` fields."""
+    if model.multi_latent_attention:
+        raise ValueError(f"{model.name}: multi-latent attention presets need MLATransformerConfig, not supported yet")
+    return {
+        "num_layers": model.num_layers,
+        "hidden_size": model.hidden_size,
+        "ffn_hidden_size": model.ffn_hidden_size,
+        "num_attention_heads": model.num_attention_heads,
+        "num_query_groups": model.num_query_groups,
+        "kv_channels": model.kv_channels,
+        "num_moe_experts": model.num_moe_experts,
+        "moe_router_topk": model.moe_router_topk,
+        "moe_ffn_hidden_size": model.moe_ffn_hidden_size,
+        "moe_shared_expert_intermediate_size": model.moe_shared_expert_intermediate_size,
+        "moe_shared_expert_overlap": model.moe_shared_expert_overlap,
+        "moe_layer_freq": [0] * model.first_k_dense_layers + [1] * (model.num_layers - model.first_k_dense_layers),
+        "moe_expert_capacity_factor": model.moe_expert_capacity_factor,
+        "moe_pad_expert_input_to_capacity": model.moe_pad_expert_input_to_capacity,
+        "moe_router_load_balancing_type": "aux_loss",
+        "moe_aux_loss_coeff": 1e-2,
+        "attention_dropout": model.attention_dropout,
+        "hidden_dropout": model.hidden_dropout,
+        "normalization": "RMSNorm",
+        "gated_linear_unit": True,
+        "activation_func": F.silu,
+        "add_bias_linear": False,
+        "bf16": True,
+        "params_dtype": torch.bfloat16,
+    }
+
+
+def knob_fields(config: Config, megatron_core_version: str, target: str) -> dict[str, Any]:
+    """Fields of the megatron-core config ``target`` ("transformer" or "ddp") set by the knobs."""
+    fields: dict[str, Any] = {}
+    for name, knob in KNOBS.items():
+        value = config[name]
+        if knob.megatron_target != target or value is None:
+            continue
+        fields[knob.megatron_field_for(megatron_core_version)] = knob.to_megatron(value)
+    if target == "transformer" and config.cuda_graph_impl == "full_iteration":
+        if Version(megatron_core_version) < FULL_ITERATION_IMPL_VERSION:
+            fields["cuda_graph_impl"] = "local"
+            fields[KNOBS["cuda_graph_scope"].megatron_field_for(megatron_core_version)] = ["full_iteration"]
+    if target == "transformer" and config.pipeline_model_parallel_size > 1:
+        fields["pipeline_dtype"] = torch.bfloat16
+    if target == "ddp" and config.use_megatron_fsdp:
+        fields["use_distributed_optimizer"] = True  # Megatron-FSDP forces it
+    return fields
+
+
+def build_transformer_config(config: Config, model: ModelSpec, megatron_core_version: str | None = None):
+    """A megatron-core ``TransformerConfig``; its own checks run in ``__post_init__``."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    version = megatron_core_version or installed_megatron_core_version()
+    return TransformerConfig(**model_fields(model), **knob_fields(config, version, "transformer"))
+
+
+def build_ddp_config(config: Config, megatron_core_version: str | None = None):
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    version = megatron_core_version or installed_megatron_core_version()
+    return DistributedDataParallelConfig(**knob_fields(config, version, "ddp"))
+
+
+def freeze_arguments(config: Config) -> dict[str, bool]:
+    """Keyword arguments of ``LLaVAModel.freeze`` (the language model is never frozen here)."""
+    return {
+        KNOBS[name].megatron_field: bool(config[name])
+        for name, knob in KNOBS.items()
+        if knob.megatron_target == "llava_freeze"
+    } | {"freeze_language_model": False}

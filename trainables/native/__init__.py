@@ -1,0 +1,1 @@
+"""The native PyTorch MoE VLM trainable (CPU and CUDA)."""

@@ -1,0 +1,27 @@
+"""What the native PyTorch MoE VLM honours for real (plain data; importing it needs no torch).
+
+It runs data parallel (DDP or FSDP2) and expert parallel over ``torch.distributed`` with its own
+all-to-all dispatch; it has no tensor, pipeline or context parallelism, no grouped GEMM, no
+Megatron-FSDP. CUDA graphs cover the attention and router scopes only (a whole MoE layer has
+data-dependent shapes), and only on CUDA.
+"""
+
+from autotune.contract import TrainableSupport
+
+SUPPORT = TrainableSupport(
+    name="native",
+    allowed={
+        "tensor_model_parallel_size": frozenset({1}),
+        "pipeline_model_parallel_size": frozenset({1}),
+        "context_parallel_size": frozenset({1}),
+        "expert_tensor_parallel_size": frozenset({None, 1}),
+        "sequence_parallel": frozenset({False}),
+        "moe_token_dispatcher_type": frozenset({"alltoall"}),
+        "moe_grouped_gemm": frozenset({False}),
+        "use_megatron_fsdp": frozenset({False}),
+        "recompute_modules": frozenset({"core_attn", "mlp", "moe", "layernorm"}),
+        "cuda_graph_impl": frozenset({"none", "local"}),
+        "cuda_graph_scope": frozenset({"attn", "moe_router", "moe_preprocess"}),
+    },
+    cuda_only={"cuda_graph_impl": frozenset({"local"})},
+)
