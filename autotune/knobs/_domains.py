@@ -92,6 +92,8 @@ class SubsetDomain(Domain):
     """
 
     elements: tuple[str, ...]
+    empty_means: str | None = None
+    """What the empty set means (``"the whole layer"``); ``None`` when it is not allowed."""
 
     def parse(self, raw: Any) -> Value:
         if isinstance(raw, str):
@@ -105,10 +107,13 @@ class SubsetDomain(Domain):
             )
         if len(set(raw)) != len(raw):
             raise ValueError(f"repeated element in {list(raw)}")
+        if not raw and self.empty_means is None:
+            raise ValueError(f"expected at least one of {', '.join(self.elements)}")
         return tuple(e for e in self.elements if e in raw)
 
     def describe(self) -> str:
-        return "a list drawn from " + ", ".join(self.elements)
+        text = "a list drawn from " + ", ".join(self.elements)
+        return f"{text} (empty: {self.empty_means})" if self.empty_means else text
 
     def format(self, value: Value) -> str:
         if value is None:

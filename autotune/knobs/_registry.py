@@ -100,7 +100,7 @@ _KNOBS: tuple[Knob, ...] = (
     ),
     Knob(
         name="cuda_graph_scope",
-        domain=SubsetDomain(CUDA_GRAPH_SCOPES),
+        domain=SubsetDomain(CUDA_GRAPH_SCOPES, empty_means="the whole layer"),
         default=(),
         doc="Modules captured by per-layer graphs; empty captures the whole layer.",
         megatron_target="transformer",

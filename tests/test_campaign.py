@@ -1,0 +1,93 @@
+"""Campaign files: the shipped ones validate; malformed ones get errors naming file and field."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from autotune.campaign import builtin_campaign_path, load_campaign
+from autotune.errors import InputFileError
+
+SHIPPED = sorted(Path("campaigns").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_shipped_campaign_loads(path: Path) -> None:
+    campaign = load_campaign(path)
+    assert campaign.space.path.exists()
+    assert campaign.rule_context.world_size == campaign.spec.hardware.gpus_per_trial
+
+
+def test_builtin_demo_is_the_cpu_native_campaign() -> None:
+    campaign = load_campaign(builtin_campaign_path("cpu_demo"))
+    assert campaign.trainable.name == "native"
+    assert campaign.stack.accelerator == "cpu"
+    assert campaign.spec.data.realism == "real"
+    assert campaign.spec.stages.promote_steps >= 50
+
+
+BASE = yaml.safe_load(Path("campaigns/cpu_demo.yaml").read_text())
+
+
+def _with(path_value: str, value) -> dict:
+    data = yaml.safe_load(yaml.safe_dump(BASE))
+    *parents, leaf = path_value.split(".")
+    node = data
+    for key in parents:
+        node = node.setdefault(key, {})
+    if value is _DELETE:
+        del node[leaf]
+    else:
+        node[leaf] = value
+    return data
+
+
+_DELETE = object()
+
+BAD_CAMPAIGNS = [
+    (_with("trainable", "jax"), "trainable", "unknown trainable 'jax'; known trainables: native, megatron"),
+    (_with("model.preset", "llama"), "model.preset", "unknown model preset 'llama'"),
+    (_with("model.overrides", {"num_layers": 0}), "model.overrides.num_layers", "greater than or equal to 1"),
+    (_with("model.overrides", {"num_query_groups": 3}), "model.overrides", "multiple of num_query_groups"),
+    (_with("model.overrides", {"layers": 3}), "model.overrides.layers", "unknown field"),
+    (_with("hardware.gpus_per_trial", 4), "hardware", r"gpus_per_trial \(4\) exceeds the cluster's 2 GPUs"),
+    (_with("hardware.accelerator", "a100"), "hardware.accelerator", "Input should be"),
+    (_with("stages.promote_steps", 20), "stages.promote_steps", "greater than or equal to 50"),
+    (_with("stages.screen_steps", 2), "stages", r"screen_steps \(2\) must exceed warmup_steps"),
+    (_with("budget.max_trials", _DELETE), "budget.max_trials", "Field required"),
+    (_with("budget.deadline", "2026-12-02T06:00:00"), "budget.deadline", "needs a time zone"),
+    (_with("data.source", "shards"), "data", "needs path"),
+    (_with("data.realism", "synthetic"), "data.realism", "Input should be 'real' or 'mock'"),
+    (_with("objective", "step_time"), "objective", "Input should be"),
+    (_with("outputdir", "x"), "outputdir", "unknown field"),
+    (_with("space", "no_such_space"), "space", "no space file at"),
+]
+
+
+@pytest.mark.parametrize(("data", "field", "message"), BAD_CAMPAIGNS, ids=[b[1] + ":" + b[2][:20] for b in BAD_CAMPAIGNS])
+def test_bad_campaign_names_file_and_field(tmp_path: Path, data: dict, field: str, message: str) -> None:
+    path = tmp_path / "campaign.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(InputFileError) as info:
+        load_campaign(path)
+    assert info.value.path == path
+    assert info.value.field == field, str(info.value)
+    assert re.search(message, str(info.value)), str(info.value)
+
+
+def test_space_path_is_relative_to_the_campaign(tmp_path: Path) -> None:
+    (tmp_path / "spaces").mkdir()
+    (tmp_path / "spaces" / "mine.yaml").write_text(Path("search_spaces/cpu_demo.yaml").read_text())
+    path = tmp_path / "campaign.yaml"
+    path.write_text(yaml.safe_dump(_with("space", "spaces/mine.yaml")))
+    assert load_campaign(path).space.path == tmp_path / "spaces" / "mine.yaml"
+
+
+def test_python_tags_are_refused(tmp_path: Path) -> None:
+    path = tmp_path / "campaign.yaml"
+    path.write_text("name: !!python/object/apply:os.system ['echo pwned']\n")
+    with pytest.raises(InputFileError, match="invalid YAML"):
+        load_campaign(path)

@@ -1,0 +1,64 @@
+"""The command line as users run it: exit codes, messages, JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+
+def autotune(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "autotune", *args], capture_output=True, text=True, env={"COLUMNS": "200", "PATH": ""},
+        timeout=120,
+    )
+
+
+def test_validate_builtin_demo() -> None:
+    result = autotune("validate")
+    assert result.returncode == 0, result.stderr
+    assert "campaign cpu-demo" in result.stdout and "valid" in result.stdout
+    assert "160 configs, 120 accepted, 40 rejected" in result.stdout
+
+
+def test_validate_bad_file_exits_2_with_one_clear_line(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(Path("campaigns/cpu_demo.yaml").read_text().replace("max_trials: 12", "max_trials: 0"))
+    result = autotune("validate", str(path))
+    assert result.returncode == 2
+    assert f"{path}: budget.max_trials: Input should be greater than or equal to 1 (got 0)" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_validate_rejects_a_campaign_whose_space_is_all_rejected(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    text = Path("campaigns/h200_single.yaml").read_text().replace("accelerator: h200", "accelerator: cpu")
+    path.write_text(text.replace("space: h200_single", f"space: {Path('search_spaces/h200_single.yaml').resolve()}"))
+    result = autotune("validate", str(path))
+    assert result.returncode == 2
+    assert "space: the rules reject all 160 configs of h200_single" in result.stderr
+
+
+def test_space_show_json_groups_rejections_by_rule() -> None:
+    result = autotune("space", "show", "search_spaces/h200_dual.yaml", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["configs"] == report["accepted"] + report["rejected"]
+    assert report["rejected_by_rule"]["expert_data_parallel_whole"]["count"] > 0
+    assert "ETP·EP·PP" in report["rejected_by_rule"]["expert_data_parallel_whole"]["example"]
+    assert [w["name"] for w in report["warm_starts"]] == ["fsdp-first", "ddp-ep2"]
+
+
+def test_space_show_table_in_a_campaign_context() -> None:
+    result = autotune("space", "show", "search_spaces/cpu_demo.yaml", "--campaign", "campaigns/cpu_demo.yaml")
+    assert result.returncode == 0, result.stderr
+    assert "torch_fsdp2_needs_pp1_ep1" in result.stdout
+    assert "recompute_modules" in result.stdout and "[core_attn]" in result.stdout
+
+
+def test_knobs_lists_megatron_names_per_version() -> None:
+    old = autotune("knobs", "--megatron-core", "0.16.1").stdout
+    new = autotune("knobs", "--megatron-core", "0.19.2").stdout
+    assert "model.cuda_graph_scope" in old and "model.cuda_graph_modules" not in old
+    assert "model.cuda_graph_modules" in new
