@@ -16,8 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from autotune._paths import BUILTIN_CAMPAIGNS_DIR
 from autotune.contract import Accelerator, StackCapabilities, TrainableSupport
-from autotune.errors import AutotuneError, InputFileError
-from autotune.model import PRESETS, ModelSpec, model_preset
+from autotune.errors import InputFileError
+from autotune.model import ModelSpec
+from autotune.resolve import resolve_model, resolve_trainable
 from autotune.rules import RuleContext
 from autotune.space import SearchSpace, load_space, resolve_space_path
 from autotune.yaml_io import input_error, load_yaml_mapping
@@ -32,13 +33,6 @@ class _Strict(BaseModel):
 class ModelSection(_Strict):
     preset: str
     overrides: dict[str, Any] = Field(default_factory=dict)
-
-    @field_validator("preset")
-    @classmethod
-    def _known_preset(cls, value: str) -> str:
-        if value not in PRESETS:
-            raise ValueError(f"unknown model preset {value!r}; known presets: {', '.join(PRESETS)}")
-        return value
 
 
 class DataSection(_Strict):
@@ -126,15 +120,6 @@ class CampaignFile(_Strict):
     objective: Objective = "useful_tokens_per_s_per_gpu"
     output_dir: str
 
-    @field_validator("trainable")
-    @classmethod
-    def _known_trainable(cls, value: str) -> str:
-        from trainables import TRAINABLES
-
-        if value not in TRAINABLES:
-            raise ValueError(f"unknown trainable {value!r}; known trainables: {', '.join(TRAINABLES)}")
-        return value
-
 
 @dataclass(frozen=True)
 class Campaign:
@@ -167,27 +152,16 @@ def builtin_campaign_path(name: str) -> Path:
 
 def load_campaign(path: Path) -> Campaign:
     """Load a campaign file and everything it names; errors name the file and the field."""
-    from trainables import trainable_support
-
     raw = load_yaml_mapping(path)
     try:
         spec = CampaignFile.model_validate(raw)
     except ValidationError as exc:
         raise input_error(path, exc) from None
-    try:
-        model = model_preset(spec.model.preset, spec.model.overrides)
-    except ValidationError as exc:
-        raise input_error(path, exc, prefix="model.overrides") from None
+    trainable = resolve_trainable(path, "trainable", spec.trainable)
+    model = resolve_model(path, "model.preset", spec.model.preset, "model.overrides", spec.model.overrides)
     space_path = resolve_space_path(spec.space, path.parent)
-    try:
-        space = load_space(space_path)
-    except InputFileError as exc:
-        if exc.path == space_path and exc.field == "-" and not space_path.exists():
-            raise InputFileError(path, "space", f"no space file at {space_path}") from None
-        raise
+    if not space_path.is_file():
+        raise InputFileError(path, "space", f"no space file at {space_path}")
+    space = load_space(space_path)
     stack = StackCapabilities(accelerator=spec.hardware.accelerator, **spec.stack.model_dump())
-    try:
-        trainable = trainable_support(spec.trainable)
-    except AutotuneError as exc:
-        raise InputFileError(path, "trainable", str(exc)) from None
     return Campaign(path=path, spec=spec, space=space, model=model, stack=stack, trainable=trainable)

@@ -20,18 +20,17 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from autotune._paths import BUILTIN_SPACES_DIR
 from autotune.contract import StackCapabilities
-from autotune.errors import AutotuneError, InputFileError, KnobError
+from autotune.errors import InputFileError, KnobError
 from autotune.knobs import KNOBS, Config, Value, complete_config, get_knob
+from autotune.resolve import resolve_model, resolve_trainable
+from autotune.rules import RuleContext
 from autotune.yaml_io import input_error, load_yaml_mapping
-
-if TYPE_CHECKING:
-    from autotune.rules import RuleContext
 
 
 class _Strict(BaseModel):
@@ -225,21 +224,9 @@ def _warm_start(space: SearchSpace, index: int, entry: WarmStartEntry) -> WarmSt
     return WarmStart(name=entry.name, why=entry.why, config=config)
 
 
-def target_context(space: SearchSpace) -> "RuleContext":
+def target_context(space: SearchSpace) -> RuleContext:
     """The rule context of the space's own ``target`` (used when no campaign is given)."""
-    from autotune.model import model_preset
-    from autotune.rules import RuleContext
-    from trainables import trainable_support
-
     target = space.target
-    try:
-        model = model_preset(target.model, target.model_overrides)
-    except ValidationError as exc:
-        raise input_error(space.path, exc, prefix="target.model_overrides") from None
-    except AutotuneError as exc:
-        raise InputFileError(space.path, "target.model", str(exc)) from None
-    try:
-        trainable = trainable_support(target.trainable)
-    except AutotuneError as exc:
-        raise InputFileError(space.path, "target.trainable", str(exc)) from None
+    model = resolve_model(space.path, "target.model", target.model, "target.model_overrides", target.model_overrides)
+    trainable = resolve_trainable(space.path, "target.trainable", target.trainable)
     return RuleContext(model=model, world_size=target.gpus_per_trial, stack=target.stack, trainable=trainable)

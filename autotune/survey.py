@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from autotune.errors import InputFileError
 from autotune.knobs import Config
-from autotune.rules import RULES, RuleContext, Violation, violations
+from autotune.rules import RuleContext, Violation, violations
 from autotune.space import SearchSpace
 
 
@@ -44,7 +44,3 @@ def check_warm_starts(space: SearchSpace, context: RuleContext) -> None:
         if found:
             reasons = "; ".join(f"[{v.rule}] {v.reason}" for v in found)
             raise InputFileError(space.path, f"warm_start[{index}]", f"{warm.name!r} is rejected: {reasons}")
-
-
-def rule_summary(name: str) -> str:
-    return RULES[name].summary

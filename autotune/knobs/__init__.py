@@ -13,7 +13,7 @@ import yaml
 
 from autotune.errors import KnobError
 from autotune.knobs._base import Condition, Knob, MegatronTarget
-from autotune.knobs._domains import Value
+from autotune.knobs._domains import BoolDomain, IntDomain, SubsetDomain, Value
 from autotune.knobs._registry import CUDA_GRAPH_SCOPES, KNOBS, PER_LAYER_GRAPH_IMPLS, RECOMPUTE_MODULES
 
 __all__ = [
@@ -184,8 +184,6 @@ def parse_megatron_lm_args(argv: list[str]) -> Config:
 
 
 def _from_flag_operands(knob: Knob, operands: list[str]) -> Value:
-    from autotune.knobs._domains import BoolDomain, IntDomain, SubsetDomain
-
     if isinstance(knob.domain, BoolDomain):
         if operands:
             raise KnobError(knob.name, f"flag takes no value, got {operands}")
