@@ -11,7 +11,8 @@ from typing import Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict
 
-from autotune.knobs import KNOBS, Value, get_knob
+from autotune.knobs import KNOBS, Config, Value, get_knob
+from autotune.model import ModelSpec
 
 Accelerator = Literal["cpu", "h100", "h200", "b200", "gb200"]
 
@@ -73,3 +74,74 @@ class TrainableSupport:
             if bad:
                 return f"{knob}={KNOBS[knob].format(value)} needs a CUDA device; this stack is {stack.accelerator}"
         return None
+
+
+# -- the burst: what a trial runs and what it reports ----------------------------------------------
+
+Outcome = Literal["ok", "oom", "invalid", "pruned", "failed"]
+"""How a burst ended: ``ok``; ``oom`` (out of memory, memory released); ``invalid`` (the stack
+rejected the config before step 1); ``pruned`` (told to stop); ``failed`` (anything else)."""
+
+DataRealism = Literal["real", "mock"]
+
+
+@dataclass(frozen=True, slots=True)
+class DataSpec:
+    folder: str
+    """A folder of WebDataset tar shards."""
+    realism: DataRealism = "real"
+    """``mock`` drops every image: benchmark-only, never a throughput result."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One training step, summed over the trial's ranks (times: the slowest rank)."""
+
+    step: int
+    step_seconds: float
+    data_wait_seconds: float
+    vision_seconds: float
+    projector_seconds: float
+    decoder_seconds: float
+    useful_tokens: int
+    """Loss-bearing text tokens plus image tokens entering the decoder; never padding."""
+    image_tokens: int
+    loss_tokens: int
+    samples: int
+    model_flops: float
+    peak_memory_bytes: int
+    loss: float
+    skipped_samples: int = 0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.useful_tokens / self.step_seconds if self.step_seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class BurstResult:
+    outcome: Outcome
+    records: tuple[StepRecord, ...] = ()
+    contract: dict | None = None
+    """The measurement contract of an ``ok`` (or pruned) burst: versions, hardware, model,
+    data realism, precision, shapes, timing method and FLOPs convention."""
+    error: str | None = None
+    evidence: dict = field(default_factory=dict)
+    """What the run observed of its knobs (recompute active, frozen params without grads, EP
+    group size…), so promotion can check the knobs took effect."""
+
+
+@dataclass(frozen=True)
+class BurstRequest:
+    """What a trainable needs to run one burst: the config, the model, the data, the budget."""
+
+    config: Config
+    model: ModelSpec
+    data: DataSpec
+    steps: int
+    world_size: int
+    seed: int = 0
+    data_workers: int = 1
+    """DataLoader worker processes per rank (decode and pack run there)."""
+    memory_cap_fraction: float | None = None
+    """On CUDA: ``torch.cuda.set_per_process_memory_fraction`` for the burst."""

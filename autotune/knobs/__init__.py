@@ -62,10 +62,15 @@ class Config(Mapping[str, Value]):
         return self._values[name]
 
     def __getattr__(self, name: str) -> Value:
+        if name.startswith("_"):
+            raise AttributeError(name)
         try:
             return self._values[name]
         except KeyError:
             raise AttributeError(name) from None
+
+    def __reduce__(self):
+        return (Config, (self._values,))
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("Config is immutable; use replace()")

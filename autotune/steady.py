@@ -1,0 +1,113 @@
+"""Steady state from a per-step series: where warm-up ends, the steady estimate, how sure we are.
+
+Warm-up end: the Marginal Standard Error Rule (MSER; White 1997), which picks the truncation
+point that minimises the squared standard error of the remaining mean, searched over the first
+half of the series (its usual bound, which keeps it from trimming to a few lucky last steps).
+Isolated slow steps (a GC pause, a checkpoint, a straggler) are not warm-up: before MSER they
+are clipped, and from the steady window they are dropped as outliers when they sit more than
+``outlier_mads`` robust deviations from the window's median *and* their neighbours do not. A run
+of such steps is a change of regime, never an outlier, so a late slowdown keeps the interval wide. The estimate is the window's mean
+with a Student-t confidence interval; it is *converged* when the interval's relative half-width
+is at most the target (2 % by default), which is when a screening burst can stop.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Sequence
+
+from scipy.stats import t as student_t
+
+MAD_TO_SIGMA = 1.4826
+"""Scales a median absolute deviation to a standard deviation for normal noise."""
+
+
+@dataclass(frozen=True, slots=True)
+class SteadyEstimate:
+    warmup_steps: int
+    """Leading steps treated as warm-up (at least the declared minimum)."""
+    window: int
+    """Steps in the steady window after outliers were dropped."""
+    outliers: int
+    mean: float
+    median: float
+    ci_low: float
+    ci_high: float
+    confidence: float
+    relative_half_width: float
+    converged: bool
+
+    def to_dict(self) -> dict:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+def mser_truncation(values: Sequence[float], minimum: int = 0) -> int:
+    """Index where the steady part starts, by MSER over the first half of the series."""
+    n = len(values)
+    best_index, best_score = minimum, math.inf
+    for index in range(minimum, max(minimum, n // 2) + 1):
+        tail = values[index:]
+        if len(tail) < 2:
+            break
+        mean = sum(tail) / len(tail)
+        score = sum((x - mean) ** 2 for x in tail) / len(tail) ** 2
+        if score < best_score - 1e-15:
+            best_index, best_score = index, score
+    return best_index
+
+
+def isolated_outliers(values: Sequence[float], mads: float) -> set[int]:
+    """Indices of single steps far from the median whose neighbours are not; at most 10 % of
+    the series (more than that is noise, not outliers)."""
+    median = statistics.median(values)
+    mad = statistics.median(abs(x - median) for x in values) * MAD_TO_SIGMA
+    spread = max(mad, abs(median) * 1e-6)
+    far = [abs(x - median) > mads * spread for x in values]
+    isolated = {
+        i for i, flag in enumerate(far)
+        if flag and not (i > 0 and far[i - 1]) and not (i + 1 < len(far) and far[i + 1])
+    }
+    return isolated if len(isolated) <= max(1, len(values) // 10) else set()
+
+
+def steady_state(
+    values: Sequence[float],
+    *,
+    min_warmup: int = 1,
+    min_window: int = 5,
+    target_relative_half_width: float = 0.02,
+    confidence: float = 0.95,
+    outlier_mads: float = 5.0,
+) -> SteadyEstimate | None:
+    """The steady estimate of ``values`` (e.g. useful tokens/s per step), or ``None`` while there
+    are fewer than ``min_warmup + min_window`` steps."""
+    n = len(values)
+    if n < min_warmup + min_window:
+        return None
+    # Replace isolated spikes by the median before MSER, so one slow step cannot move the cut.
+    spikes = isolated_outliers(values, outlier_mads)
+    median_all = statistics.median(values)
+    smoothed = [median_all if i in spikes else x for i, x in enumerate(values)]
+    start = mser_truncation(smoothed, minimum=min_warmup)
+    window = list(values[start:])
+    dropped = isolated_outliers(window, outlier_mads)
+    kept = [x for i, x in enumerate(window) if i not in dropped]
+    mean = sum(kept) / len(kept)
+    median = statistics.median(kept)
+    sd = statistics.stdev(kept) if len(kept) > 1 else 0.0
+    half_width = float(student_t.ppf(0.5 + confidence / 2, len(kept) - 1)) * sd / math.sqrt(len(kept))
+    relative = half_width / abs(mean) if mean else math.inf
+    return SteadyEstimate(
+        warmup_steps=start,
+        window=len(kept),
+        outliers=len(window) - len(kept),
+        mean=mean,
+        median=median,
+        ci_low=mean - half_width,
+        ci_high=mean + half_width,
+        confidence=confidence,
+        relative_half_width=relative,
+        converged=bool(len(kept) >= min_window and relative <= target_relative_half_width),
+    )

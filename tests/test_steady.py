@@ -1,0 +1,66 @@
+"""The steady-state module on recorded-style series."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from autotune.steady import mser_truncation, steady_state
+
+
+def noisy(level: float, count: int, noise: float, seed: int) -> list[float]:
+    rng = random.Random(seed)
+    return [level * (1 + rng.gauss(0, noise)) for _ in range(count)]
+
+
+def test_long_warmup_is_cut_and_the_level_found() -> None:
+    warmup = [1000 * (0.2 + 0.08 * i) for i in range(10)]  # allocator growth / graph capture ramp
+    series = warmup + noisy(1000, 30, 0.01, seed=1)
+    estimate = steady_state(series)
+    assert 9 <= estimate.warmup_steps <= 12
+    assert estimate.converged
+    assert estimate.ci_low <= 1000 <= estimate.ci_high
+    assert abs(estimate.mean - 1000) / 1000 < 0.01
+
+
+def test_step_change_reports_the_new_level() -> None:
+    series = noisy(100, 15, 0.01, seed=2) + noisy(80, 25, 0.01, seed=3)
+    estimate = steady_state(series)
+    assert estimate.warmup_steps == pytest.approx(15, abs=1)
+    assert abs(estimate.mean - 80) / 80 < 0.01
+    assert estimate.converged
+
+
+def test_late_step_change_is_not_falsely_converged() -> None:
+    series = noisy(100, 30, 0.005, seed=4) + noisy(80, 10, 0.005, seed=5)
+    estimate = steady_state(series)
+    assert not estimate.converged  # the window straddles two levels: keep measuring
+
+
+def test_heavy_noise_does_not_converge_but_brackets_the_level() -> None:
+    series = noisy(500, 20, 0.15, seed=6)
+    estimate = steady_state(series, min_warmup=2)
+    assert not estimate.converged
+    assert estimate.relative_half_width > 0.02
+    assert estimate.ci_low < 500 < estimate.ci_high
+
+
+def test_single_outlier_is_dropped_not_averaged() -> None:
+    series = noisy(1000, 25, 0.005, seed=7)
+    series[15] = 100.0  # one 10x slow step (a GC pause)
+    estimate = steady_state(series)
+    assert estimate.outliers == 1
+    assert estimate.converged
+    assert abs(estimate.mean - 1000) / 1000 < 0.005
+    assert estimate.warmup_steps <= 2  # the outlier did not drag the warm-up cut
+
+
+def test_too_short_gives_none_and_declared_warmup_is_respected() -> None:
+    assert steady_state([1.0, 2.0, 3.0], min_warmup=1, min_window=5) is None
+    estimate = steady_state(noisy(10, 12, 0.001, seed=8), min_warmup=4)
+    assert estimate.warmup_steps >= 4
+
+
+def test_mser_on_a_flat_series_cuts_nothing_beyond_the_minimum() -> None:
+    assert mser_truncation([5.0] * 20, minimum=2) == 2

@@ -1,0 +1,1 @@
+"""Real image-text data: photo shards, Qwen-VL style image processing, byte tokens, packing."""

@@ -1,0 +1,278 @@
+"""One burst of the native MoE VLM on one rank: build, parallelize, train ``steps`` steps on real
+data, and report a :class:`~autotune.contract.StepRecord` per step (summed over ranks).
+
+How the ranks' processes start is not this module's concern: ``launch.py`` spawns them locally;
+a Ray Train worker group can call :func:`run_rank` the same way once ``torch.distributed`` is up.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import resource
+import time
+import traceback
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from autotune.contract import BurstRequest, BurstResult, StepRecord
+from trainables.data.loader import ImageSettings, MicroBatch, PackedVLMDataset, make_loader
+from trainables.native.flops import CONVENTION, step_flops
+from trainables.native.model import GroupedExperts, MoEVLM
+from trainables.native.parallelize import (
+    apply_data_parallel,
+    apply_expert_parallel,
+    make_groups,
+    sync_expert_gradients,
+)
+from trainables.native.recompute import apply_recompute
+
+log = logging.getLogger(__name__)
+
+Reporter = Callable[[StepRecord], bool]
+"""Called on rank 0 after every step; returning ``False`` stops the burst (outcome ``pruned``)."""
+
+OOM_ERRORS = (torch.OutOfMemoryError, MemoryError)
+
+
+class StageClock:
+    """Forward and backward time of the vision encoder and the projector, from module and tensor
+    hooks (so it works under DDP and FSDP); CUDA events on a GPU, wall clock on the CPU.
+
+    A stage's backward starts when the gradient reaches its output (backward pre-hook) and ends
+    when it reaches the output of its first layer (a tensor hook), which stays correct when the
+    stage's own input needs no gradient. The decoder's time is the rest of the step.
+    """
+
+    def __init__(self, model: MoEVLM, cuda: bool) -> None:
+        self.cuda = cuda
+        self.spans: dict[str, list] = {"vision": [], "projector": []}
+        self._open: dict[str, object] = {}
+        for name, first_layer in (("vision", model.vision.patch_embed), ("projector", model.projector.norm)):
+            module = getattr(model, name)
+            module.register_forward_pre_hook(lambda *_, n=name: self._start(n))
+            module.register_forward_hook(lambda *_, n=name: self._stop(n))
+            module.register_full_backward_pre_hook(lambda *_, n=name: self._start(n))
+            first_layer.register_forward_hook(lambda _m, _i, out, n=name: self._stop_on_gradient(n, out))
+
+    def _stop_on_gradient(self, name: str, output: torch.Tensor) -> None:
+        if output.requires_grad:
+            output.register_hook(lambda grad: self._stop(name))
+
+    def _now(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _start(self, name: str) -> None:
+        self._open[name] = self._now()
+
+    def _stop(self, name: str) -> None:
+        start = self._open.pop(name, None)
+        if start is not None:
+            self.spans[name].append((start, self._now()))
+
+    def collect(self) -> dict[str, float]:
+        """Seconds per stage since the last call (synchronises the device on CUDA)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        totals = {}
+        for name, spans in self.spans.items():
+            if self.cuda:
+                totals[name] = sum(a.elapsed_time(b) for a, b in spans) / 1000.0
+            else:
+                totals[name] = sum(b - a for a, b in spans)
+            spans.clear()
+        return totals
+
+
+def _peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def build_model(request: BurstRequest, device: torch.device):
+    """The model with recompute, freezing, expert and data parallelism applied, per the config."""
+    config = request.config
+    world = request.world_size
+    rank = dist.get_rank() if world > 1 else 0
+    torch.manual_seed(request.seed)  # identical initial weights on every rank
+    model = MoEVLM(request.model)
+    model.freeze(config.freeze_vision_model, config.freeze_vision_projection)
+    checkpoints = apply_recompute(model, config)
+    groups = make_groups(config, world, rank)
+    expert_params = apply_expert_parallel(model, groups)
+    model.to(device)
+    clock = StageClock(model, device.type == "cuda")
+    wrapped = apply_data_parallel(model, config, groups, expert_params, device)
+    return model, wrapped, groups, expert_params, checkpoints, clock
+
+
+def _loader(request: BurstRequest, rank: int) -> Iterator[MicroBatch]:
+    spec = request.model
+    images = ImageSettings(
+        patch_size=spec.vision.patch_size,
+        merge=spec.vision.spatial_merge_size,
+        min_pixels=spec.images.min_pixels,
+        max_pixels=spec.images.max_pixels,
+    )
+    dataset = PackedVLMDataset(
+        Path(request.data.folder),
+        images,
+        seq_length=spec.seq_length,
+        micro_batch_size=request.config.micro_batch_size,
+        rank=rank,
+        world_size=request.world_size,
+        seed=request.seed,
+        realism=request.data.realism,
+    )
+    return iter(make_loader(dataset, request.data_workers))
+
+
+def run_rank(request: BurstRequest, device: torch.device, reporter: Reporter | None = None) -> BurstResult:
+    """Run the burst on this rank (``torch.distributed`` already initialised when world > 1).
+
+    Every rank returns a result; rank 0's carries the records and the contract.
+    """
+    world = request.world_size
+    rank = dist.get_rank() if world > 1 else 0
+    if device.type == "cuda" and request.memory_cap_fraction:
+        torch.cuda.set_per_process_memory_fraction(request.memory_cap_fraction, device)
+    try:
+        model, wrapped, groups, expert_params, checkpoints, clock = build_model(request, device)
+        optimizer = torch.optim.AdamW([p for p in wrapped.parameters() if p.requires_grad], lr=1e-4)
+        batches = _loader(request, rank)
+    except OOM_ERRORS as exc:
+        return _release(BurstResult(outcome="oom", error=f"{type(exc).__name__}: {exc}"), device)
+    except ValueError as exc:
+        return BurstResult(outcome="invalid", error=str(exc))
+
+    records: list[StepRecord] = []
+    outcome = "ok"
+    try:
+        for step in range(request.steps):
+            record, stop = _train_step(
+                step, request, wrapped, model, optimizer, batches, clock, groups, expert_params, device, rank, reporter
+            )
+            records.append(record)
+            if stop:
+                outcome = "pruned"
+                break
+    except OOM_ERRORS as exc:
+        return _release(BurstResult(outcome="oom", records=tuple(records), error=f"{type(exc).__name__}: {exc}"), device)
+    except Exception:  # noqa: BLE001 - the contract turns anything else into `failed`, with the trace
+        return BurstResult(outcome="failed", records=tuple(records), error=traceback.format_exc())
+
+    evidence = {
+        "recompute_wrappers": len(checkpoints),
+        "recompute_calls": sum(c.calls for c in checkpoints),
+        "frozen_vision_params_with_grad": sum(
+            p.grad is not None for p in model.vision.parameters()
+        ) if request.config.freeze_vision_model else None,
+        "ep_group_size": groups.ep_size,
+        "local_experts_per_moe_layer": next(m.local_count for m in model.modules() if isinstance(m, GroupedExperts)),
+        "data_parallel": type(wrapped).__name__,
+    }
+    return BurstResult(outcome=outcome, records=tuple(records), contract=_contract(request, device), evidence=evidence)
+
+
+def _train_step(step, request, wrapped, model, optimizer, batches, clock, groups, expert_params, device, rank, reporter):
+    start = time.perf_counter()
+    batch = next(batches)
+    data_wait = time.perf_counter() - start
+    batch = batch.to(device)
+    optimizer.zero_grad(set_to_none=True)
+    with _autocast(device):
+        out = wrapped(
+            batch.tokens, batch.labels, batch.loss_mask, batch.segment_ids, batch.position_ids,
+            batch.patches, batch.image_grids,
+        )
+    out.loss.backward()
+    sync_expert_gradients(expert_params, groups)
+    optimizer.step()
+    stages = clock.collect()  # synchronises the device
+    step_seconds = time.perf_counter() - start
+    flops = step_flops(request.model, batch.segment_ids, batch.image_grids,
+                       request.config.freeze_vision_model, request.config.freeze_vision_projection)
+    vision, projector = stages["vision"], stages["projector"]
+    maxima = torch.tensor([step_seconds, data_wait, vision, projector,
+                           step_seconds - data_wait - vision - projector, float(_peak_memory_bytes(device))],
+                          dtype=torch.float64)
+    sums = torch.tensor([batch.useful_tokens, batch.image_tokens, batch.loss_tokens, batch.samples, flops,
+                         out.loss.item(), sum(batch.skipped.values())], dtype=torch.float64)
+    stop_flag = torch.zeros(1, dtype=torch.float64)
+    if request.world_size > 1:
+        dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
+        dist.all_reduce(sums)
+    record = StepRecord(
+        step=step,
+        step_seconds=maxima[0].item(),
+        data_wait_seconds=maxima[1].item(),
+        vision_seconds=maxima[2].item(),
+        projector_seconds=maxima[3].item(),
+        decoder_seconds=maxima[4].item(),
+        useful_tokens=int(sums[0].item()),
+        image_tokens=int(sums[1].item()),
+        loss_tokens=int(sums[2].item()),
+        samples=int(sums[3].item()),
+        model_flops=sums[4].item(),
+        peak_memory_bytes=int(maxima[5].item()),
+        loss=sums[5].item() / request.world_size,
+        skipped_samples=int(sums[6].item()),
+    )
+    if rank == 0 and reporter is not None and not reporter(record):
+        stop_flag[0] = 1.0
+    if request.world_size > 1:
+        dist.broadcast(stop_flag, src=0)
+    return record, bool(stop_flag[0].item())
+
+
+@contextmanager
+def _autocast(device: torch.device):
+    if device.type == "cuda":
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            yield
+    else:
+        yield
+
+
+def _release(result: BurstResult, device: torch.device) -> BurstResult:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def _contract(request: BurstRequest, device: torch.device) -> dict:
+    config = request.config
+    cuda = device.type == "cuda"
+    dp = request.world_size
+    return {
+        "trainable": "native",
+        "versions": {"python": platform.python_version(), "torch": torch.__version__},
+        "hardware": {
+            "device": torch.cuda.get_device_name(device) if cuda else platform.processor() or platform.machine(),
+            "accelerator": "cuda" if cuda else "cpu",
+            "world_size": request.world_size,
+            "cpu_threads_per_rank": torch.get_num_threads(),
+        },
+        "model": request.model.model_dump(),
+        "data": {"folder": request.data.folder, "realism": request.data.realism, "tokenizer": "byte-level"},
+        "precision": "bf16 autocast" if cuda else "fp32",
+        "shapes": {
+            "micro_batch_size": config.micro_batch_size,
+            "seq_length": request.model.seq_length,
+            "data_parallel": dp,
+            "global_batch_size": config.micro_batch_size * dp,
+            "expert_parallel": config.expert_model_parallel_size,
+        },
+        "timing": "cuda events (stages), wall clock (step)" if cuda else "wall clock",
+        "flops_convention": CONVENTION,
+        "config": config.to_plain(),
+    }
