@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -39,3 +40,13 @@ def cfg(**values: Any) -> Config:
 @pytest.fixture
 def context() -> RuleContext:
     return make_context()
+
+
+@pytest.fixture(scope="session")
+def photo_shards(tmp_path_factory) -> Path:
+    """The full built-in photo shards, built once per test session."""
+    from trainables.data.shards import build_photo_shards
+
+    folder = tmp_path_factory.mktemp("photos")
+    build_photo_shards(folder)
+    return folder

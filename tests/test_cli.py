@@ -62,3 +62,59 @@ def test_knobs_lists_megatron_names_per_version() -> None:
     new = autotune("knobs", "--megatron-core", "0.19.2").stdout
     assert "model.cuda_graph_scope" in old and "model.cuda_graph_modules" not in old
     assert "model.cuda_graph_modules" in new
+
+
+def _cache_with_photos(tmp_path: Path, photo_shards: Path) -> dict:
+    from trainables.data.shards import BUILD_VERSION
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / f"photos-v{BUILD_VERSION}").symlink_to(photo_shards)
+    (photo_shards / "COMPLETE").write_text("{}")
+    return {"COLUMNS": "200", "PATH": "", "AUTOTUNE_CACHE": str(cache), "HOME": str(tmp_path)}
+
+
+def burst(env: dict, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "autotune", "burst", *args], capture_output=True, text=True,
+                          env=env, timeout=600)
+
+
+def test_burst_on_the_cpu_demo_writes_records_and_contract(tmp_path: Path, photo_shards: Path) -> None:
+    out = tmp_path / "burst.json"
+    config = '{"micro_batch_size": 1, "recompute_granularity": "selective", "recompute_modules": ["core_attn"]}'
+    result = burst(_cache_with_photos(tmp_path, photo_shards), "--config", config, "--steps", "7", "--workers", "1",
+                   "--json", str(out))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "steady useful tokens/s" in result.stdout and "data wait" in result.stdout
+    summary = json.loads(out.read_text())
+    assert summary["outcome"] == "ok" and len(summary["records"]) == 7
+    assert summary["data_realism"] == "real" and summary["benchmark_only"] is False
+    assert summary["contract"]["hardware"]["world_size"] == 2
+    assert summary["contract"]["config"]["recompute_modules"] == ["core_attn"]
+    assert summary["steady"]["warmup_steps"] >= 2 and summary["contract"]["steady_window"]["first_step"] >= 2
+
+
+def test_burst_with_mock_data_is_labelled_benchmark_only(tmp_path: Path, photo_shards: Path) -> None:
+    out = tmp_path / "burst.json"
+    result = burst(_cache_with_photos(tmp_path, photo_shards), "--mock", "--steps", "3", "--workers", "0",
+                   "--json", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(out.read_text())
+    assert summary["data_realism"] == "mock" and summary["benchmark_only"] is True
+    assert all(r["image_tokens"] == 0 for r in summary["records"])
+
+
+def test_burst_of_a_rejected_config_is_invalid_before_launch(tmp_path: Path, photo_shards: Path) -> None:
+    out = tmp_path / "burst.json"
+    result = burst(_cache_with_photos(tmp_path, photo_shards), "--config",
+                   '{"use_torch_fsdp2": true, "expert_model_parallel_size": 2}', "--json", str(out))
+    assert result.returncode == 1
+    summary = json.loads(out.read_text())
+    assert summary["outcome"] == "invalid"
+    assert [v["rule"] for v in summary["violations"]] == ["torch_fsdp2_needs_pp1_ep1"]
+
+
+def test_data_build_command(tmp_path: Path) -> None:
+    result = autotune("data", "build", str(tmp_path / "shards"), "--samples-per-photo", "1")
+    assert result.returncode == 0, result.stderr
+    assert "16 samples in 1 shards" in result.stdout

@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import importlib
 
-from autotune.contract import TrainableSupport
+from typing import Callable
+
+from autotune.contract import BurstRequest, BurstResult, TrainableSupport
 from autotune.errors import AutotuneError
 
 _SUPPORT_MODULES = {
     "native": "trainables.native.capabilities",
     "megatron": "trainables.megatron.capabilities",
+}
+_RUNNERS = {
+    "native": "trainables.native.launch:run_local",
 }
 TRAINABLES = tuple(_SUPPORT_MODULES)
 
@@ -23,3 +28,11 @@ def trainable_support(name: str) -> TrainableSupport:
     if name not in _SUPPORT_MODULES:
         raise AutotuneError(f"unknown trainable {name!r}; known trainables: {', '.join(_SUPPORT_MODULES)}")
     return importlib.import_module(_SUPPORT_MODULES[name]).SUPPORT
+
+
+def burst_runner(name: str) -> Callable[[BurstRequest], BurstResult]:
+    """The function that runs one burst of the trainable ``name`` on this machine's devices."""
+    if name not in _RUNNERS:
+        raise AutotuneError(f"the {name} trainable has no burst runner in this version (runners: {', '.join(_RUNNERS)})")
+    module, _, function = _RUNNERS[name].partition(":")
+    return getattr(importlib.import_module(module), function)

@@ -26,11 +26,13 @@ error_console = Console(stderr=True)
 
 
 def _register() -> None:
-    from autotune.cli import knobs_cmd, space_cmd, validate_cmd
+    from autotune.cli import burst_cmd, data_cmd, knobs_cmd, space_cmd, validate_cmd
 
     app.add_typer(space_cmd.app, name="space")
+    app.add_typer(data_cmd.app, name="data")
     app.command("validate")(validate_cmd.validate)
     app.command("knobs")(knobs_cmd.knobs)
+    app.command("burst")(burst_cmd.burst)
 
 
 def main() -> None:

@@ -202,28 +202,32 @@ def _train_step(step, request, wrapped, model, optimizer, batches, clock, groups
     flops = step_flops(request.model, batch.segment_ids, batch.image_grids,
                        request.config.freeze_vision_model, request.config.freeze_vision_projection)
     vision, projector = stages["vision"], stages["projector"]
-    maxima = torch.tensor([step_seconds, data_wait, vision, projector,
-                           step_seconds - data_wait - vision - projector, float(_peak_memory_bytes(device))],
-                          dtype=torch.float64)
+    # Times come from the slowest rank (its stages add up to its step); counts are summed.
+    times = torch.tensor([step_seconds, data_wait, vision, projector], dtype=torch.float64)
     sums = torch.tensor([batch.useful_tokens, batch.image_tokens, batch.loss_tokens, batch.samples, flops,
                          out.loss.item(), sum(batch.skipped.values())], dtype=torch.float64)
+    peak = torch.tensor([float(_peak_memory_bytes(device))], dtype=torch.float64)
     stop_flag = torch.zeros(1, dtype=torch.float64)
     if request.world_size > 1:
-        dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
+        gathered = [torch.empty_like(times) for _ in range(request.world_size)]
+        dist.all_gather(gathered, times)
+        times = max(gathered, key=lambda row: row[0].item())
         dist.all_reduce(sums)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    step_seconds, data_wait, vision, projector = times.tolist()
     record = StepRecord(
         step=step,
-        step_seconds=maxima[0].item(),
-        data_wait_seconds=maxima[1].item(),
-        vision_seconds=maxima[2].item(),
-        projector_seconds=maxima[3].item(),
-        decoder_seconds=maxima[4].item(),
+        step_seconds=step_seconds,
+        data_wait_seconds=data_wait,
+        vision_seconds=vision,
+        projector_seconds=projector,
+        decoder_seconds=step_seconds - data_wait - vision - projector,
         useful_tokens=int(sums[0].item()),
         image_tokens=int(sums[1].item()),
         loss_tokens=int(sums[2].item()),
         samples=int(sums[3].item()),
         model_flops=sums[4].item(),
-        peak_memory_bytes=int(maxima[5].item()),
+        peak_memory_bytes=int(peak.item()),
         loss=sums[5].item() / request.world_size,
         skipped_samples=int(sums[6].item()),
     )

@@ -327,7 +327,8 @@ class MoEVLM(nn.Module):
         self.frozen_vision = self.frozen_projection = False
 
     def decoder_layers(self) -> list[DecoderLayer]:
-        return [layer for stack in self.decoder for layer in stack.layers]
+        """The decoder layers in order, whatever wraps them (recompute chunks, FSDP units)."""
+        return [module for module in self.decoder.modules() if isinstance(module, DecoderLayer)]
 
     def freeze(self, vision_model: bool, vision_projection: bool) -> None:
         """Frozen parts keep no gradients; a frozen encoder also runs without autograd."""

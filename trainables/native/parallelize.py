@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
@@ -67,18 +67,16 @@ class AllToAllDispatcher:
         send_splits = counts.view(self.size, local).sum(1).tolist()
         recv_matrix = recv_counts.view(self.size, local)  # [source rank, local expert]
         recv_splits = recv_matrix.sum(1).tolist()
-        received = dist_fn.all_to_all_single(
-            tokens.new_empty((sum(recv_splits), tokens.shape[1])), tokens, recv_splits, send_splits, group=self.group
-        )
+        # torch's functional collective is the autograd-aware all-to-all its deprecation notice
+        # for torch.distributed.nn points to; it works over gloo and NCCL.
+        received = all_to_all_single_autograd(tokens, recv_splits, send_splits, self.group)
         # Source-major → expert-major, run the experts, and back.
         chunks = received.split(recv_matrix.flatten().tolist())
         expert_major = [chunks[s * local + e] for e in range(local) for s in range(self.size)]
         out = experts(torch.cat(expert_major), recv_matrix.sum(0).tolist())
         out_chunks = out.split([c.shape[0] for c in expert_major])
         source_major = torch.cat([out_chunks[e * self.size + s] for s in range(self.size) for e in range(local)])
-        return dist_fn.all_to_all_single(
-            tokens.new_empty(tokens.shape), source_major, send_splits, recv_splits, group=self.group
-        )
+        return all_to_all_single_autograd(source_major, send_splits, recv_splits, self.group)
 
 
 def apply_expert_parallel(model: MoEVLM, groups: ParallelGroups) -> list[nn.Parameter]:

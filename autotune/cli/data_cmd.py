@@ -1,0 +1,29 @@
+"""``autotune data build``: real photo shards for the built-in data, or anywhere you want them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from autotune.cli import console
+
+app = typer.Typer(help="Build and inspect training data.", no_args_is_help=True)
+
+
+@app.command("build")
+def build(
+    out_dir: Path = typer.Argument(..., help="Folder to write the WebDataset .tar shards into."),
+    samples_per_photo: int = typer.Option(16, min=1, help="Random crops per source photograph."),
+    samples_per_shard: int = typer.Option(64, min=1),
+    seed: int = typer.Option(0),
+) -> None:
+    """Shards of real photographs (shipped in scikit-image and scikit-learn) with our captions."""
+    from trainables.data.shards import build_photo_shards
+
+    report = build_photo_shards(out_dir, samples_per_photo, samples_per_shard, seed)
+    console.print(
+        f"{report.samples} samples in {report.shards} shards under {report.folder} "
+        f"({report.total_bytes / 2**20:.1f} MiB of JPEG; long sides {report.long_sides[0]}–{report.long_sides[1]} px; "
+        f"JPEG quality {report.qualities[0]}–{report.qualities[1]})"
+    )
