@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from autotune.contract import BurstRequest, BurstResult, StepRecord
 from trainables.data.loader import ImageSettings, MicroBatch, PackedVLMDataset, make_loader
+from trainables.native.cuda_graphs import apply_cuda_graphs
 from trainables.native.flops import CONVENTION, step_flops
 from trainables.native.model import GroupedExperts, MoEVLM
 from trainables.native.parallelize import (
@@ -98,11 +99,13 @@ def _peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def build_model(request: BurstRequest, device: torch.device):
-    """The model with recompute, freezing, expert and data parallelism applied, per the config."""
+def build_model(request: BurstRequest, device: torch.device, batches: Iterator[MicroBatch]):
+    """The model with recompute, freezing, CUDA graphs, expert and data parallelism applied."""
     config = request.config
     world = request.world_size
     rank = dist.get_rank() if world > 1 else 0
+    if config.cuda_graph_impl != "none" and device.type != "cuda":
+        raise ValueError(f"cuda_graph_impl={config.cuda_graph_impl} needs a CUDA device")
     torch.manual_seed(request.seed)  # identical initial weights on every rank
     model = MoEVLM(request.model)
     model.freeze(config.freeze_vision_model, config.freeze_vision_projection)
@@ -110,9 +113,18 @@ def build_model(request: BurstRequest, device: torch.device):
     groups = make_groups(config, world, rank)
     expert_params = apply_expert_parallel(model, groups)
     model.to(device)
+
+    def probe_forward() -> None:  # only called when graphs are captured
+        batch = next(batches).to(device)
+        with torch.no_grad(), _autocast(device):
+            model(batch.tokens, batch.labels, batch.loss_mask, batch.segment_ids, batch.position_ids,
+                  batch.patches, batch.image_grids)
+
+    with _autocast(device):
+        graphed = apply_cuda_graphs(model, config, probe_forward)
     clock = StageClock(model, device.type == "cuda")
     wrapped = apply_data_parallel(model, config, groups, expert_params, device)
-    return model, wrapped, groups, expert_params, checkpoints, clock
+    return model, wrapped, groups, expert_params, checkpoints, graphed, clock
 
 
 def _loader(request: BurstRequest, rank: int) -> Iterator[MicroBatch]:
@@ -146,13 +158,15 @@ def run_rank(request: BurstRequest, device: torch.device, reporter: Reporter | N
     if device.type == "cuda" and request.memory_cap_fraction:
         torch.cuda.set_per_process_memory_fraction(request.memory_cap_fraction, device)
     try:
-        model, wrapped, groups, expert_params, checkpoints, clock = build_model(request, device)
-        optimizer = torch.optim.AdamW([p for p in wrapped.parameters() if p.requires_grad], lr=1e-4)
         batches = _loader(request, rank)
+        model, wrapped, groups, expert_params, checkpoints, graphed, clock = build_model(request, device, batches)
+        optimizer = torch.optim.AdamW([p for p in wrapped.parameters() if p.requires_grad], lr=1e-4)
     except OOM_ERRORS as exc:
         return _release(BurstResult(outcome="oom", error=f"{type(exc).__name__}: {exc}"), device)
     except ValueError as exc:
         return BurstResult(outcome="invalid", error=str(exc))
+    except Exception:  # noqa: BLE001 - setup failures are outcomes too, never a crash of the caller
+        return _release(BurstResult(outcome="failed", error=traceback.format_exc()), device)
 
     records: list[StepRecord] = []
     outcome = "ok"
@@ -179,6 +193,8 @@ def run_rank(request: BurstRequest, device: torch.device, reporter: Reporter | N
         "ep_group_size": groups.ep_size,
         "local_experts_per_moe_layer": next(m.local_count for m in model.modules() if isinstance(m, GroupedExperts)),
         "data_parallel": type(wrapped).__name__,
+        "cuda_graph_units": len(graphed),
+        "cuda_graph_replays": sum(module.graph_replays for module in graphed),
     }
     return BurstResult(outcome=outcome, records=tuple(records), contract=_contract(request, device), evidence=evidence)
 
@@ -240,8 +256,9 @@ def _train_step(step, request, wrapped, model, optimizer, batches, clock, groups
 
 @contextmanager
 def _autocast(device: torch.device):
+    # Caching off: CUDA-graph capture requires it, and every config runs the same way.
     if device.type == "cuda":
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
             yield
     else:
         yield

@@ -170,30 +170,29 @@ class Attention(nn.Module):
         return self.out(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
-@dataclass
-class RouterOutput:
-    top_experts: torch.Tensor  # [T, k] long
-    top_weights: torch.Tensor  # [T, k]
-    aux_loss: torch.Tensor  # scalar
-
-
 class Router(nn.Module):
-    """Top-k softmax router with the Switch-style auxiliary load-balancing loss."""
+    """Top-k softmax router with the Switch-style auxiliary load-balancing loss, followed by the
+    token permutation's preprocessing (sort order by expert, tokens per expert): the
+    ``moe_router`` + ``moe_preprocess`` graph unit. Fixed output shapes, no host sync."""
 
     def __init__(self, dim: int, experts: int, top_k: int) -> None:
         super().__init__()
         self.experts, self.top_k = experts, top_k
         self.gate = nn.Linear(dim, experts, bias=False)
 
-    def forward(self, x: torch.Tensor) -> RouterOutput:
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns (sort order of the token-expert assignments, tokens per expert, top-k weights, aux loss)."""
         probs = self.gate(x).float().softmax(dim=-1)
         weights, experts = probs.topk(self.top_k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)
-        load = torch.zeros(self.experts, device=x.device).index_add_(
-            0, experts.reshape(-1), torch.ones(experts.numel(), device=x.device)
-        ) / experts.numel()
+        assignments = experts.reshape(-1)
+        # scatter_add rather than bincount: bincount syncs with the host, which graphs forbid.
+        counts = torch.zeros(self.experts, dtype=torch.long, device=x.device).scatter_add_(
+            0, assignments, torch.ones_like(assignments)
+        )
+        load = counts.float() / assignments.numel()
         aux = self.experts * (load * probs.mean(dim=0)).sum()
-        return RouterOutput(experts, weights.to(x.dtype), aux)
+        return assignments.argsort(stable=True), counts, weights.to(x.dtype), aux
 
 
 class GroupedExperts(nn.Module):
@@ -245,16 +244,13 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        routed = self.router(flat)
-        assignments = routed.top_experts.reshape(-1)
-        order = assignments.argsort(stable=True)
-        counts = torch.bincount(assignments, minlength=self.num_experts)
+        order, counts, weights, aux = self.router(flat)
         expert_out = self.dispatcher(flat[order // self.top_k], counts, self.experts)
         combined = torch.empty_like(expert_out).index_copy_(0, order, expert_out)
-        out = (combined.view(-1, self.top_k, shape[-1]) * routed.top_weights.unsqueeze(-1)).sum(dim=1)
+        out = (combined.view(-1, self.top_k, shape[-1]) * weights.unsqueeze(-1)).sum(dim=1)
         if self.shared is not None:
             out = out + self.shared(flat)
-        return out.view(shape), routed.aux_loss
+        return out.view(shape), aux
 
 
 class DecoderLayer(nn.Module):
