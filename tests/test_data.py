@@ -159,3 +159,23 @@ def test_ranks_read_disjoint_samples(photo_shards: Path) -> None:
         return batch.tokens[0].tolist()
 
     assert first_tokens(0) != first_tokens(1)
+
+
+def test_shards_prepare_for_megatron_energon(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from trainables.data.shards import build_photo_shards
+
+    folder = tmp_path / "shards"
+    report = build_photo_shards(folder, samples_per_photo=1, samples_per_shard=8)
+    energon = Path(sys.executable).parent / "energon"
+    result = subprocess.run(
+        [str(energon), "prepare", "--non-interactive", "--split-ratio", "1,0,0", "--sample-type", "CrudeWebdataset",
+         "--no-progress", str(folder)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    info = json.loads((folder / ".nv-meta" / ".info.json").read_text())
+    assert sum(info["shard_counts"].values()) == report.samples
+    assert len(list_shards(folder)) == report.shards  # the index files energon adds do not confuse us

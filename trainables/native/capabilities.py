@@ -3,7 +3,8 @@
 It runs data parallel (DDP or FSDP2) and expert parallel over ``torch.distributed`` with its own
 all-to-all dispatch; it has no tensor, pipeline or context parallelism, no grouped GEMM, no
 Megatron-FSDP. CUDA graphs cover the attention and router scopes only (a whole MoE layer has
-data-dependent shapes), and only on CUDA.
+data-dependent shapes), only on CUDA, and not with FSDP2 (the burst reports that combination
+``invalid`` before step 1: sharded parameters move, captured graphs would read stale storage).
 """
 
 from autotune.contract import TrainableSupport
