@@ -12,7 +12,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from autotune._paths import BUILTIN_CAMPAIGNS_DIR
 from autotune.contract import Accelerator, StackCapabilities, TrainableSupport
@@ -21,7 +21,7 @@ from autotune.model import ModelSpec
 from autotune.resolve import resolve_model, resolve_trainable
 from autotune.rules import RuleContext
 from autotune.space import SearchSpace, load_space, resolve_space_path
-from autotune.yaml_io import input_error, load_yaml_mapping
+from autotune.yaml_io import load_file
 
 Objective = Literal["useful_tokens_per_s_per_gpu", "model_tflops_per_s_per_gpu"]
 
@@ -152,11 +152,7 @@ def builtin_campaign_path(name: str) -> Path:
 
 def load_campaign(path: Path) -> Campaign:
     """Load a campaign file and everything it names; errors name the file and the field."""
-    raw = load_yaml_mapping(path)
-    try:
-        spec = CampaignFile.model_validate(raw)
-    except ValidationError as exc:
-        raise input_error(path, exc) from None
+    spec = load_file(path, CampaignFile)
     trainable = resolve_trainable(path, "trainable", spec.trainable)
     model = resolve_model(path, "model.preset", spec.model.preset, "model.overrides", spec.model.overrides)
     space_path = resolve_space_path(spec.space, path.parent)

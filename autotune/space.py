@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from autotune._paths import BUILTIN_SPACES_DIR
 from autotune.contract import StackCapabilities
@@ -30,7 +30,7 @@ from autotune.errors import InputFileError, KnobError
 from autotune.knobs import KNOBS, Config, Value, complete_config, get_knob
 from autotune.resolve import resolve_model, resolve_trainable
 from autotune.rules import RuleContext
-from autotune.yaml_io import input_error, load_yaml_mapping
+from autotune.yaml_io import load_file
 
 
 class _Strict(BaseModel):
@@ -134,11 +134,7 @@ def resolve_space_path(reference: str, relative_to: Path) -> Path:
 
 def load_space(path: Path) -> SearchSpace:
     """Load and validate a space file; every error names the file and the field."""
-    raw = load_yaml_mapping(path)
-    try:
-        spec = SpaceFile.model_validate(raw)
-    except ValidationError as exc:
-        raise input_error(path, exc) from None
+    spec = load_file(path, SpaceFile)
 
     tuned: dict[str, tuple[Value, ...]] = {}
     for name, values in spec.tune.items():

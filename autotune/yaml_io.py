@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from autotune.errors import InputFileError
 
@@ -57,3 +57,15 @@ def input_error(path: Path, exc: ValidationError, prefix: str = "") -> InputFile
     first_field, first_message = problems[0]
     rest = "".join(f"\n  {where}: {message}" for where, message in problems[1:])
     return InputFileError(path, first_field, first_message + rest)
+
+
+Model = TypeVar("Model", bound=BaseModel)
+
+
+def load_file(path: Path, schema: type[Model]) -> Model:
+    """Read ``path`` with :func:`load_yaml_mapping` and validate it against ``schema``."""
+    raw = load_yaml_mapping(path)
+    try:
+        return schema.model_validate(raw)
+    except ValidationError as exc:
+        raise input_error(path, exc) from None

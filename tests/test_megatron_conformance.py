@@ -8,7 +8,6 @@ sample of adversarial configs, our rules reject first.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import random
 import warnings
 from pathlib import Path

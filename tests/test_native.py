@@ -16,7 +16,6 @@ from autotune.contract import BurstRequest, DataSpec
 from autotune.knobs import complete_config
 from autotune.model import model_preset
 from trainables.data.loader import ImageSettings, PackedVLMDataset
-from trainables.native import burst as burst_module
 from trainables.native.launch import run_local
 from trainables.native.model import MoEVLM
 from trainables.native.recompute import apply_recompute

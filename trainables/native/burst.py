@@ -13,11 +13,13 @@ import resource
 import time
 import traceback
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from autotune.contract import BurstRequest, BurstResult, StepRecord
 from trainables.data.loader import ImageSettings, MicroBatch, PackedVLMDataset, make_loader
@@ -25,12 +27,13 @@ from trainables.native.cuda_graphs import apply_cuda_graphs
 from trainables.native.flops import CONVENTION, step_flops
 from trainables.native.model import GroupedExperts, MoEVLM
 from trainables.native.parallelize import (
+    ParallelGroups,
     apply_data_parallel,
     apply_expert_parallel,
     make_groups,
     sync_expert_gradients,
 )
-from trainables.native.recompute import apply_recompute
+from trainables.native.recompute import Checkpointed, apply_recompute
 
 log = logging.getLogger(__name__)
 
@@ -99,13 +102,50 @@ def _peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def build_model(request: BurstRequest, device: torch.device, batches: Iterator[MicroBatch]):
+@dataclass
+class BurstRun:
+    """What every step of one rank's burst shares."""
+
+    request: BurstRequest
+    device: torch.device
+    rank: int
+    model: MoEVLM
+    wrapped: nn.Module
+    """The module to call: the model under DDP or FSDP2 (or the model itself on one rank)."""
+    groups: ParallelGroups
+    expert_params: list[nn.Parameter]
+    checkpoints: list[Checkpointed]
+    graphed: list[nn.Module]
+    clock: StageClock
+    batches: Iterator[MicroBatch]
+    optimizer: torch.optim.Optimizer
+
+    def evidence(self) -> dict:
+        """What the run observed of its knobs, for promotion to check they took effect."""
+        config = self.request.config
+        return {
+            "recompute_wrappers": len(self.checkpoints),
+            "recompute_calls": sum(c.calls for c in self.checkpoints),
+            "frozen_vision_params_with_grad": sum(p.grad is not None for p in self.model.vision.parameters())
+            if config.freeze_vision_model else None,
+            "ep_group_size": self.groups.ep_size,
+            "local_experts_per_moe_layer": next(
+                m.local_count for m in self.model.modules() if isinstance(m, GroupedExperts)
+            ),
+            "data_parallel": type(self.wrapped).__name__,
+            "cuda_graph_units": len(self.graphed),
+            "cuda_graph_replays": sum(module.graph_replays for module in self.graphed),
+        }
+
+
+def build_run(request: BurstRequest, device: torch.device) -> BurstRun:
     """The model with recompute, freezing, CUDA graphs, expert and data parallelism applied."""
     config = request.config
     world = request.world_size
     rank = dist.get_rank() if world > 1 else 0
     if config.cuda_graph_impl != "none" and device.type != "cuda":
         raise ValueError(f"cuda_graph_impl={config.cuda_graph_impl} needs a CUDA device")
+    batches = _loader(request, rank)
     torch.manual_seed(request.seed)  # identical initial weights on every rank
     model = MoEVLM(request.model)
     model.freeze(config.freeze_vision_model, config.freeze_vision_projection)
@@ -124,7 +164,9 @@ def build_model(request: BurstRequest, device: torch.device, batches: Iterator[M
         graphed = apply_cuda_graphs(model, config, probe_forward)
     clock = StageClock(model, device.type == "cuda")
     wrapped = apply_data_parallel(model, config, groups, expert_params, device)
-    return model, wrapped, groups, expert_params, checkpoints, graphed, clock
+    optimizer = torch.optim.AdamW([p for p in wrapped.parameters() if p.requires_grad], lr=1e-4)
+    return BurstRun(request, device, rank, model, wrapped, groups, expert_params, checkpoints, graphed, clock,
+                    batches, optimizer)
 
 
 def _loader(request: BurstRequest, rank: int) -> Iterator[MicroBatch]:
@@ -153,14 +195,10 @@ def run_rank(request: BurstRequest, device: torch.device, reporter: Reporter | N
 
     Every rank returns a result; rank 0's carries the records and the contract.
     """
-    world = request.world_size
-    rank = dist.get_rank() if world > 1 else 0
     if device.type == "cuda" and request.memory_cap_fraction:
         torch.cuda.set_per_process_memory_fraction(request.memory_cap_fraction, device)
     try:
-        batches = _loader(request, rank)
-        model, wrapped, groups, expert_params, checkpoints, graphed, clock = build_model(request, device, batches)
-        optimizer = torch.optim.AdamW([p for p in wrapped.parameters() if p.requires_grad], lr=1e-4)
+        run = build_run(request, device)
     except OOM_ERRORS as exc:
         return _release(BurstResult(outcome="oom", error=f"{type(exc).__name__}: {exc}"), device)
     except ValueError as exc:
@@ -172,9 +210,7 @@ def run_rank(request: BurstRequest, device: torch.device, reporter: Reporter | N
     outcome = "ok"
     try:
         for step in range(request.steps):
-            record, stop = _train_step(
-                step, request, wrapped, model, optimizer, batches, clock, groups, expert_params, device, rank, reporter
-            )
+            record, stop = _train_step(run, step, reporter)
             records.append(record)
             if stop:
                 outcome = "pruned"
@@ -184,36 +220,26 @@ def run_rank(request: BurstRequest, device: torch.device, reporter: Reporter | N
     except Exception:  # noqa: BLE001 - the contract turns anything else into `failed`, with the trace
         return BurstResult(outcome="failed", records=tuple(records), error=traceback.format_exc())
 
-    evidence = {
-        "recompute_wrappers": len(checkpoints),
-        "recompute_calls": sum(c.calls for c in checkpoints),
-        "frozen_vision_params_with_grad": sum(
-            p.grad is not None for p in model.vision.parameters()
-        ) if request.config.freeze_vision_model else None,
-        "ep_group_size": groups.ep_size,
-        "local_experts_per_moe_layer": next(m.local_count for m in model.modules() if isinstance(m, GroupedExperts)),
-        "data_parallel": type(wrapped).__name__,
-        "cuda_graph_units": len(graphed),
-        "cuda_graph_replays": sum(module.graph_replays for module in graphed),
-    }
-    return BurstResult(outcome=outcome, records=tuple(records), contract=_contract(request, device), evidence=evidence)
+    return BurstResult(outcome=outcome, records=tuple(records), contract=_contract(request, device),
+                       evidence=run.evidence())
 
 
-def _train_step(step, request, wrapped, model, optimizer, batches, clock, groups, expert_params, device, rank, reporter):
+def _train_step(run: BurstRun, step: int, reporter: Reporter | None) -> tuple[StepRecord, bool]:
+    request, device = run.request, run.device
     start = time.perf_counter()
-    batch = next(batches)
+    batch = next(run.batches)
     data_wait = time.perf_counter() - start
     batch = batch.to(device)
-    optimizer.zero_grad(set_to_none=True)
+    run.optimizer.zero_grad(set_to_none=True)
     with _autocast(device):
-        out = wrapped(
+        out = run.wrapped(
             batch.tokens, batch.labels, batch.loss_mask, batch.segment_ids, batch.position_ids,
             batch.patches, batch.image_grids,
         )
     out.loss.backward()
-    sync_expert_gradients(expert_params, groups)
-    optimizer.step()
-    stages = clock.collect()  # synchronises the device
+    sync_expert_gradients(run.expert_params, run.groups)
+    run.optimizer.step()
+    stages = run.clock.collect()  # synchronises the device
     step_seconds = time.perf_counter() - start
     flops = step_flops(request.model, batch.segment_ids, batch.image_grids,
                        request.config.freeze_vision_model, request.config.freeze_vision_projection)
@@ -247,7 +273,7 @@ def _train_step(step, request, wrapped, model, optimizer, batches, clock, groups
         loss=sums[5].item() / request.world_size,
         skipped_samples=int(sums[6].item()),
     )
-    if rank == 0 and reporter is not None and not reporter(record):
+    if run.rank == 0 and reporter is not None and not reporter(record):
         stop_flag[0] = 1.0
     if request.world_size > 1:
         dist.broadcast(stop_flag, src=0)
