@@ -1,0 +1,1 @@
+"""Search: Optuna over a space, with the rules and every outcome as feedback; screening decisions."""

@@ -1,0 +1,43 @@
+"""Which configs surely need at least the memory of one that already ran out of it.
+
+Only what is monotone in memory is compared: with every other knob equal (the same layout), a
+larger micro-batch, a recompute that saves no more, and no more frozen parts cannot use less
+memory. Recompute savings are ordered none < selective < full; two selective sets compare by
+inclusion; full recompute compares within one method (block: more layers save more).
+"""
+
+from __future__ import annotations
+
+from autotune.knobs import KNOBS, Config
+
+MEMORY_KNOBS = frozenset({
+    "micro_batch_size", "recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules",
+    "freeze_vision_model", "freeze_vision_projection",
+})
+_SAVING = {"none": 0, "selective": 1, "full": 2}
+
+
+def recompute_saves_no_more(candidate: Config, reference: Config) -> bool:
+    mine, theirs = candidate.recompute_granularity, reference.recompute_granularity
+    if mine != theirs:
+        return _SAVING[mine] < _SAVING[theirs]
+    if mine == "selective":
+        return set(candidate.recompute_modules) <= set(reference.recompute_modules)
+    if mine == "full":
+        if candidate.recompute_method != reference.recompute_method:
+            return False
+        if candidate.recompute_method == "block":
+            return candidate.recompute_num_layers <= reference.recompute_num_layers
+        return candidate.recompute_num_layers == reference.recompute_num_layers
+    return True
+
+
+def needs_at_least_as_much_memory(candidate: Config, reference: Config) -> bool:
+    """True when ``candidate`` cannot use less memory than ``reference`` (same layout, see above)."""
+    if any(candidate[name] != reference[name] for name in KNOBS if name not in MEMORY_KNOBS):
+        return False
+    if candidate.micro_batch_size < reference.micro_batch_size:
+        return False
+    if any(candidate[name] and not reference[name] for name in ("freeze_vision_model", "freeze_vision_projection")):
+        return False
+    return recompute_saves_no_more(candidate, reference)

@@ -1,0 +1,192 @@
+"""The Optuna study behind a campaign: proposes configs of a space, learns from every outcome.
+
+Configs the rules reject, and configs that surely need at least the memory of one that ran out of
+it, never reach a device: they are told to the study at once as infeasible (Optuna's
+``constraints_func`` reads the ``constraint`` user attribute; > 0 is infeasible), so the sampler
+learns the region to avoid at no cost. OOM, invalid and failed runs are told the same way, with the
+peak memory seen. A config already finished is answered from its earlier result instead of being
+run twice. The study lives in Optuna storage (a journal file in the output directory), so a new
+:class:`Proposer` on the same storage resumes it and ``optuna-dashboard`` can open it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Literal
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from autotune.knobs import Config, complete_config
+from autotune.rules import RuleContext, violations
+from autotune.search.encoding import config_params, suggest_config
+from autotune.search.memory import needs_at_least_as_much_memory
+from autotune.space import SearchSpace
+
+log = logging.getLogger(__name__)
+
+SamplerName = Literal["tpe", "random"]
+INFEASIBLE_OUTCOMES = frozenset({"oom", "invalid", "failed"})
+
+
+def constraint_of(trial: FrozenTrial) -> list[float]:
+    """Optuna's constraints_func: the ``constraint`` user attribute (a trial without one is feasible)."""
+    return trial.user_attrs.get("constraint", [0.0])
+
+
+def make_sampler(name: SamplerName, seed: int, startup_trials: int) -> optuna.samplers.BaseSampler:
+    if name == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    return optuna.samplers.TPESampler(
+        seed=seed,
+        n_startup_trials=startup_trials,
+        multivariate=True,
+        group=True,  # conditional knobs form groups of their own
+        constant_liar=True,  # parallel trials do not all chase the same optimum
+        constraints_func=constraint_of,
+    )
+
+
+def journal_storage(path: str) -> optuna.storages.JournalStorage:
+    from optuna.storages.journal import JournalFileBackend
+
+    return optuna.storages.JournalStorage(JournalFileBackend(path))
+
+
+@dataclass(frozen=True)
+class Proposal:
+    number: int
+    """The Optuna trial number (stable across resume)."""
+    config: Config
+    source: str
+    """``warm_start:<name>`` or ``sampler``."""
+
+
+class Proposer:
+    def __init__(
+        self,
+        space: SearchSpace,
+        context: RuleContext,
+        storage: optuna.storages.BaseStorage | str | None,
+        study_name: str,
+        *,
+        sampler: SamplerName = "tpe",
+        seed: int = 0,
+        startup_trials: int = 4,
+        use_rules: bool = True,
+        use_oom_feedback: bool = True,
+        max_asks: int = 500,
+    ) -> None:
+        self.space, self.context = space, context
+        self.use_rules, self.use_oom_feedback, self.max_asks = use_rules, use_oom_feedback, max_asks
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        self.study = optuna.create_study(
+            study_name=study_name,
+            storage=storage,
+            sampler=make_sampler(sampler, seed, startup_trials),
+            direction="maximize",
+            load_if_exists=True,
+        )
+        self.running: dict[int, tuple[Proposal, optuna.Trial]] = {}
+        self.finished: dict[Config, FrozenTrial] = {}
+        self.out_of_memory: list[Config] = []
+        for trial in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+            self._remember(trial)
+
+    # -- proposing ---------------------------------------------------------------------------------
+    def enqueue_warm_starts(self) -> None:
+        """Queue the space's warm-start configs (those the rules accept and not yet run)."""
+        queued = {
+            tuple(sorted(t.params.items()))
+            for t in self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+        }
+        for warm in self.space.warm_starts:
+            if warm.config in self.finished or (self.use_rules and violations(warm.config, self.context)):
+                continue
+            params = config_params(warm.config, self.space)
+            if tuple(sorted(params.items())) in queued:
+                continue
+            self.study.enqueue_trial(params, user_attrs={"source": f"warm_start:{warm.name}"})
+
+    def enqueue_configs(self, configs: list[Config], source: str) -> None:
+        """Queue known configs (e.g. an earlier campaign's finished trials)."""
+        for config in configs:
+            if config not in self.finished and self.space.contains(config):
+                self.study.enqueue_trial(config_params(config, self.space), user_attrs={"source": source})
+
+    def propose(self) -> Proposal | None:
+        """The next config to run, or ``None`` when the sampler keeps proposing nothing runnable."""
+        for _ in range(self.max_asks):
+            trial = self.study.ask()
+            config = suggest_config(trial, self.space)
+            trial.set_user_attr("config", config.to_plain())
+            source = trial.user_attrs.get("source", "sampler")
+            if self.use_rules and (found := violations(config, self.context)):
+                self._infeasible(trial, "invalid", "; ".join(f"[{v.rule}] {v.reason}" for v in found))
+                continue
+            if self.use_oom_feedback and (oom := self._dominated_oom(config)) is not None:
+                self._infeasible(trial, "oom_predicted", f"needs at least the memory of {oom.describe()}, which ran out")
+                continue
+            if config in self.finished:
+                self._repeat(trial, self.finished[config])
+                continue
+            if any(p.config == config for p, _ in self.running.values()):
+                self.study.tell(trial, state=TrialState.FAIL)  # already running: not a result
+                continue
+            proposal = Proposal(number=trial.number, config=config, source=source)
+            self.running[trial.number] = (proposal, trial)
+            return proposal
+        return None
+
+    # -- learning ---------------------------------------------------------------------------------
+    def complete(
+        self,
+        proposal: Proposal,
+        outcome: str,
+        value: float | None,
+        *,
+        peak_memory_bytes: int | None = None,
+        cost_seconds: float = 0.0,
+        error: str | None = None,
+    ) -> None:
+        """Tell the study how ``proposal`` ended. ``value`` is the objective (a pruned trial's
+        partial estimate); infeasible outcomes are told with value 0 and a violated constraint."""
+        _, trial = self.running.pop(proposal.number)
+        infeasible = outcome in INFEASIBLE_OUTCOMES
+        trial.set_user_attr("outcome", outcome)
+        trial.set_user_attr("cost_seconds", cost_seconds)
+        trial.set_user_attr("peak_memory_bytes", peak_memory_bytes)
+        trial.set_user_attr("constraint", [1.0] if infeasible else [0.0])
+        if error:
+            trial.set_user_attr("error", error[-2000:])
+        frozen = self.study.tell(trial, 0.0 if infeasible or value is None else value)
+        self._remember(frozen)
+
+    def _infeasible(self, trial: optuna.Trial, outcome: str, reason: str) -> None:
+        trial.set_user_attr("outcome", outcome)
+        trial.set_user_attr("reason", reason)
+        trial.set_user_attr("constraint", [1.0])
+        trial.set_user_attr("cost_seconds", 0.0)
+        self.study.tell(trial, 0.0)
+
+    def _repeat(self, trial: optuna.Trial, earlier: FrozenTrial) -> None:
+        for key in ("outcome", "constraint", "peak_memory_bytes"):
+            if key in earlier.user_attrs:
+                trial.set_user_attr(key, earlier.user_attrs[key])
+        trial.set_user_attr("duplicate_of", earlier.number)
+        trial.set_user_attr("cost_seconds", 0.0)
+        self.study.tell(trial, earlier.value)
+
+    def _remember(self, trial: FrozenTrial) -> None:
+        if "config" not in trial.user_attrs or "duplicate_of" in trial.user_attrs:
+            return
+        if trial.user_attrs.get("outcome") in ("invalid", "oom_predicted"):
+            return
+        config = complete_config(trial.user_attrs["config"])
+        self.finished.setdefault(config, trial)
+        if trial.user_attrs.get("outcome") == "oom":
+            self.out_of_memory.append(config)
+
+    def _dominated_oom(self, config: Config) -> Config | None:
+        return next((oom for oom in self.out_of_memory if needs_at_least_as_much_memory(config, oom)), None)

@@ -1,0 +1,143 @@
+"""The Optuna search over a space: conditional parameters, rules and OOMs as zero-cost feedback,
+warm starts first, resume from the journal file; the screening stop/prune decision."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from autotune.knobs import complete_config
+from autotune.search.encoding import config_params, suggest_config
+from autotune.search.memory import needs_at_least_as_much_memory
+from autotune.search.proposer import Proposer, journal_storage
+from autotune.search.screening import screen
+from autotune.space import load_space, target_context
+from autotune.steady import steady_state
+from autotune.rules import violations
+
+CPU_DEMO = load_space(Path("search_spaces/cpu_demo.yaml"))
+H200 = load_space(Path("search_spaces/h200_single.yaml"))
+
+
+def fake_value(config) -> float:
+    """A deterministic stand-in objective (the search logic is under test, not the model)."""
+    return 100.0 * config.micro_batch_size + (50.0 if config.freeze_vision_model else 0.0)
+
+
+@pytest.mark.parametrize("space", [CPU_DEMO, H200], ids=["cpu_demo", "h200_single"])
+def test_suggested_configs_are_the_space_and_parameters_follow_conditions(space) -> None:
+    proposer = Proposer(space, target_context(space), None, "t", sampler="random", use_rules=False)
+    grid = set(space.configs())
+    for _ in range(60):
+        trial = proposer.study.ask()
+        config = suggest_config(trial, space)
+        assert config in grid
+        assert ("recompute_modules" in trial.params) == (config.recompute_granularity == "selective")
+        assert ("cuda_graph_scope" in trial.params) == (config.cuda_graph_impl == "local")
+        proposer.study.tell(trial, 0.0)
+
+
+def test_config_params_round_trip_through_enqueue() -> None:
+    proposer = Proposer(H200, target_context(H200), None, "t", sampler="random")
+    configs = random.Random(0).sample(list(H200.configs()), 8)
+    for config in configs:
+        proposer.study.enqueue_trial(config_params(config, H200))
+    for config in configs:
+        trial = proposer.study.ask()
+        assert suggest_config(trial, H200) == config
+        proposer.study.tell(trial, 0.0)
+
+
+@pytest.mark.parametrize("sampler", ["random", "tpe"])
+def test_rule_rejected_configs_never_reach_a_device_but_are_told(sampler: str) -> None:
+    context = target_context(CPU_DEMO)
+    proposer = Proposer(CPU_DEMO, context, None, "t", sampler=sampler, seed=1)
+    launched = []
+    for _ in range(25):
+        proposal = proposer.propose()
+        assert proposal is not None
+        assert violations(proposal.config, context) == []
+        launched.append(proposal.config)
+        proposer.complete(proposal, "ok", fake_value(proposal.config), cost_seconds=1.0)
+    told = proposer.study.get_trials(deepcopy=False)
+    invalid = [t for t in told if t.user_attrs.get("outcome") == "invalid"]
+    assert invalid, "the sampler proposed FSDP2 with EP=2 at least once and was told"
+    assert all(t.user_attrs["constraint"] == [1.0] and t.user_attrs["cost_seconds"] == 0.0 for t in invalid)
+    assert all("torch_fsdp2_needs_pp1_ep1" in t.user_attrs["reason"] for t in invalid)
+    assert len(set(launched)) == len(launched), "no config runs twice"
+
+
+def test_warm_starts_come_first() -> None:
+    proposer = Proposer(CPU_DEMO, target_context(CPU_DEMO), None, "t", sampler="tpe")
+    proposer.enqueue_warm_starts()
+    proposer.enqueue_warm_starts()  # idempotent
+    first = [proposer.propose() for _ in range(2)]
+    assert [p.source for p in first] == ["warm_start:bring-up", "warm_start:fsdp-first"]
+    assert [p.config for p in first] == [w.config for w in CPU_DEMO.warm_starts]
+
+
+def test_an_oom_is_told_once_and_configs_needing_more_memory_are_skipped() -> None:
+    proposer = Proposer(H200, target_context(H200), None, "t", sampler="random", seed=3)
+    oom_config = None
+    for _ in range(80):
+        proposal = proposer.propose()
+        if proposal is None:
+            break
+        config = proposal.config
+        if oom_config is None and config.micro_batch_size == 4 and config.recompute_granularity == "none":
+            oom_config = config
+            proposer.complete(proposal, "oom", None, peak_memory_bytes=30 * 2**30, cost_seconds=5.0)
+            continue
+        if oom_config is not None:
+            assert not needs_at_least_as_much_memory(config, oom_config), config.describe()
+        proposer.complete(proposal, "ok", fake_value(config))
+    assert oom_config is not None
+    trials = proposer.study.get_trials(deepcopy=False)
+    ooms = [t for t in trials if t.user_attrs.get("outcome") == "oom"]
+    assert len(ooms) == 1 and ooms[0].user_attrs["constraint"] == [1.0]
+    assert ooms[0].user_attrs["peak_memory_bytes"] == 30 * 2**30
+    assert any(t.user_attrs.get("outcome") == "oom_predicted" for t in trials)
+
+
+def test_memory_dominance() -> None:
+    base = {"micro_batch_size": 2, "recompute_granularity": "selective", "recompute_modules": ["core_attn", "moe"]}
+    oom = complete_config(base)
+    assert needs_at_least_as_much_memory(complete_config({**base, "micro_batch_size": 4}), oom)
+    assert needs_at_least_as_much_memory(complete_config({**base, "recompute_modules": ["moe"]}), oom)
+    assert needs_at_least_as_much_memory(complete_config({"micro_batch_size": 2}), oom)  # no recompute
+    assert not needs_at_least_as_much_memory(complete_config({**base, "micro_batch_size": 1}), oom)
+    assert not needs_at_least_as_much_memory(complete_config({**base, "freeze_vision_model": True}), oom)
+    assert not needs_at_least_as_much_memory(complete_config({"micro_batch_size": 2, "recompute_granularity": "full"}), oom)
+    assert not needs_at_least_as_much_memory(complete_config({**base, "expert_model_parallel_size": 2}), oom)
+
+
+def test_study_resumes_from_the_journal_file(tmp_path: Path) -> None:
+    storage_path = str(tmp_path / "study.journal")
+    context = target_context(CPU_DEMO)
+    first = Proposer(CPU_DEMO, context, journal_storage(storage_path), "demo", sampler="random", seed=5)
+    done = []
+    for _ in range(4):
+        proposal = first.propose()
+        first.complete(proposal, "ok", fake_value(proposal.config))
+        done.append(proposal.config)
+    second = Proposer(CPU_DEMO, context, journal_storage(storage_path), "demo", sampler="random", seed=6)
+    assert set(done) <= set(second.finished)
+    for _ in range(10):
+        proposal = second.propose()
+        assert proposal.config not in done  # finished configs are answered from the study, not rerun
+        second.complete(proposal, "ok", fake_value(proposal.config))
+
+
+def test_screening_stops_converged_trials_and_prunes_clearly_worse_ones() -> None:
+    rng = random.Random(0)
+    best_series = [1000 * (1 + rng.gauss(0, 0.005)) for _ in range(12)]
+    best = steady_state(best_series, min_warmup=2)
+    assert screen(best_series, best=None, min_warmup=2).action == "stop"
+    worse = [700 * (1 + rng.gauss(0, 0.005)) for _ in range(8)]
+    decision = screen(worse, best=best, min_warmup=2)
+    assert decision.action == "prune" and "below the best's lower bound" in decision.reason
+    noisy = [1000 * (1 + rng.gauss(0, 0.2)) for _ in range(8)]
+    assert screen(noisy, best=best, min_warmup=2).action == "continue"
+    assert screen(worse[:3], best=best, min_warmup=2).action == "continue"  # too early to judge
