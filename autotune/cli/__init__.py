@@ -11,6 +11,7 @@ import sys
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from autotune.errors import AutotuneError
 
@@ -26,13 +27,14 @@ error_console = Console(stderr=True)
 
 
 def _register() -> None:
-    from autotune.cli import burst_cmd, data_cmd, knobs_cmd, space_cmd, validate_cmd
+    from autotune.cli import burst_cmd, data_cmd, export_cmd, knobs_cmd, space_cmd, validate_cmd
 
     app.add_typer(space_cmd.app, name="space")
     app.add_typer(data_cmd.app, name="data")
     app.command("validate")(validate_cmd.validate)
     app.command("knobs")(knobs_cmd.knobs)
     app.command("burst")(burst_cmd.burst)
+    app.command("export")(export_cmd.export)
 
 
 def main() -> None:
@@ -41,5 +43,5 @@ def main() -> None:
     try:
         app()
     except AutotuneError as exc:
-        error_console.print(f"[bold red]error:[/] {exc}", markup=True, highlight=False)
+        error_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         sys.exit(2)

@@ -1,0 +1,27 @@
+"""``autotune export``: a config document (a run's ``winner.yaml``) as Bridge overrides, Megatron-LM
+flags, YAML or JSON."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from autotune.export import FORMATS, load_document, render
+
+WINNER_FILE = "winner.yaml"
+
+
+def export(
+    source: Path = typer.Argument(..., help="A run directory (its winner.yaml) or a config document."),
+    fmt: str = typer.Option("bridge", "--format", "-f", help="bridge | megatron-lm | yaml | json"),
+    megatron_core: str | None = typer.Option(
+        None, help="megatron-core version whose names to use (default: the document's)."
+    ),
+) -> None:
+    """Print the config for Megatron-Bridge, Megatron-LM, or as a file."""
+    if fmt not in FORMATS:
+        raise typer.BadParameter(f"expected one of {', '.join(FORMATS)}, got {fmt!r}", param_hint="--format")
+    path = source / WINNER_FILE if source.is_dir() else source
+    config, version, rest = load_document(path)
+    typer.echo(render(config, fmt, megatron_core or version, rest))
