@@ -194,10 +194,13 @@ def test_unexpected_error_is_failed_with_traceback(photo_shards: Path, monkeypat
     assert result.outcome == "failed" and "Traceback" in result.error and "kernel exploded" in result.error
 
 
-def test_reporter_prunes_the_burst(photo_shards: Path) -> None:
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_reporter_sees_every_step_and_prunes_the_burst(photo_shards: Path, world_size: int) -> None:
     seen = []
-    result = run_local(request(photo_shards, steps=6), reporter=lambda record: seen.append(record) or len(seen) < 2)
+    result = run_local(request(photo_shards, steps=6, world_size=world_size),
+                       reporter=lambda record: seen.append(record) or len(seen) < 2)
     assert result.outcome == "pruned" and len(result.records) == 2
+    assert seen == list(result.records)  # the caller saw exactly the records the burst kept
 
 
 @pytest.mark.parametrize(

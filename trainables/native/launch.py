@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import queue
 import socket
 import tempfile
 from datetime import timedelta
@@ -15,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from autotune.contract import BurstRequest, BurstResult
+from autotune.contract import BurstRequest, BurstResult, StepRecord
 from trainables.native.burst import Reporter, run_rank
 
 RANK_TIMEOUT = timedelta(minutes=5)
@@ -37,7 +38,21 @@ def cpu_threads_per_rank(world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // world_size)
 
 
-def _rank_main(rank: int, world_size: int, port: int, request: BurstRequest, out_dir: str) -> None:
+class _RelayedReporter:
+    """Rank 0's reporter in a spawned rank: sends each record to the launcher and waits for its
+    verdict, so a stop decided by the caller takes effect at exactly the step it saw."""
+
+    def __init__(self, records: mp.Queue, verdicts: mp.Queue) -> None:
+        self.records, self.verdicts = records, verdicts
+
+    def __call__(self, record: StepRecord) -> bool:
+        self.records.put(record)
+        return self.verdicts.get()
+
+
+def _rank_main(
+    rank: int, world_size: int, port: int, request: BurstRequest, out_dir: str, reporter: Reporter | None
+) -> None:
     torch.set_num_threads(cpu_threads_per_rank(world_size))
     device = device_for(rank)
     if device.type == "cuda":
@@ -47,28 +62,38 @@ def _rank_main(rank: int, world_size: int, port: int, request: BurstRequest, out
         backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=RANK_TIMEOUT
     )
     try:
-        result = run_rank(request, device)
+        result = run_rank(request, device, reporter if rank == 0 else None)
     finally:
         dist.destroy_process_group()
     Path(out_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
 
 
 def run_local(request: BurstRequest, reporter: Reporter | None = None) -> BurstResult:
-    """Run the burst on ``request.world_size`` local ranks; merge the ranks' outcomes."""
+    """Run the burst on ``request.world_size`` local ranks; merge the ranks' outcomes.
+
+    ``reporter`` is called here, in the caller's process, with every step's record (rank 0's
+    aggregate); returning ``False`` stops every rank after that step (outcome ``pruned``).
+    """
     if request.world_size == 1:
         torch.set_num_threads(cpu_threads_per_rank(1))
         return run_rank(request, device_for(0), reporter)
-    if reporter is not None:
-        raise ValueError("a reporter needs the ranks in this process; use world_size 1 or the campaign engine")
     with tempfile.TemporaryDirectory(prefix="burst-") as out_dir:
         context = mp.get_context("spawn")
+        records, verdicts = context.Queue(), context.Queue()
+        relay = _RelayedReporter(records, verdicts) if reporter is not None else None
         port = _free_port()
         processes = [
-            context.Process(target=_rank_main, args=(rank, request.world_size, port, request, out_dir))
+            context.Process(target=_rank_main, args=(rank, request.world_size, port, request, out_dir, relay))
             for rank in range(request.world_size)
         ]
         for process in processes:
             process.start()
+        while reporter is not None and any(process.is_alive() for process in processes):
+            try:
+                record = records.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            verdicts.put(bool(reporter(record)))
         for process in processes:
             process.join()
         results = []
