@@ -30,8 +30,7 @@ def batch_from(folder: Path, rank: int = 0, micro_batch_size: int = 1):
 
 
 def forward(model: MoEVLM, batch):
-    return model(batch.tokens, batch.labels, batch.loss_mask, batch.segment_ids, batch.position_ids,
-                 batch.patches, batch.image_grids)
+    return model(*batch.model_inputs())
 
 
 def build(config_values: dict) -> MoEVLM:
@@ -122,7 +121,7 @@ config = complete_config({"moe_token_dispatcher_type": "alltoall", "expert_model
 groups = make_groups(config, 2, rank)
 apply_expert_parallel(model, groups)
 b = batches[rank]
-out = model(b.tokens, b.labels, b.loss_mask, b.segment_ids, b.position_ids, b.patches, b.image_grids)
+out = model(*b.model_inputs())
 out.loss.backward()
 print("LOSS", rank, repr(out.loss.item()), model.decoder_layers()[-1].moe.experts.local_count)
 dist.destroy_process_group()

@@ -68,6 +68,11 @@ class MicroBatch:
     skipped: dict[str, int] = field(default_factory=dict)
     """Samples dropped since the previous micro-batch of the same worker, by reason."""
 
+    def model_inputs(self) -> tuple[torch.Tensor, ...]:
+        """The model's positional inputs, in the order ``MoEVLM.forward`` takes them."""
+        return (self.tokens, self.labels, self.loss_mask, self.segment_ids, self.position_ids, self.patches,
+                self.image_grids)
+
     @property
     def useful_tokens(self) -> int:
         """Loss-bearing text tokens plus image tokens entering the decoder; never padding."""

@@ -157,8 +157,7 @@ def build_run(request: BurstRequest, device: torch.device) -> BurstRun:
     def probe_forward() -> None:  # only called when graphs are captured
         batch = next(batches).to(device)
         with torch.no_grad(), _autocast(device):
-            model(batch.tokens, batch.labels, batch.loss_mask, batch.segment_ids, batch.position_ids,
-                  batch.patches, batch.image_grids)
+            model(*batch.model_inputs())
 
     with _autocast(device):
         graphed = apply_cuda_graphs(model, config, probe_forward)
@@ -232,10 +231,7 @@ def _train_step(run: BurstRun, step: int, reporter: Reporter | None) -> tuple[St
     batch = batch.to(device)
     run.optimizer.zero_grad(set_to_none=True)
     with _autocast(device):
-        out = run.wrapped(
-            batch.tokens, batch.labels, batch.loss_mask, batch.segment_ids, batch.position_ids,
-            batch.patches, batch.image_grids,
-        )
+        out = run.wrapped(*batch.model_inputs())
     out.loss.backward()
     sync_expert_gradients(run.expert_params, run.groups)
     run.optimizer.step()
