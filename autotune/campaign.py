@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from autotune._paths import BUILTIN_CAMPAIGNS_DIR
-from autotune.contract import Accelerator, StackCapabilities, TrainableSupport
+from autotune.contract import Accelerator, DataRealism, StackCapabilities, TrainableSupport
 from autotune.errors import InputFileError
 from autotune.model import ModelSpec
 from autotune.resolve import resolve_model, resolve_trainable
@@ -40,7 +40,7 @@ class DataSection(_Strict):
     """``builtin_photos``: shards built from the real photographs shipped in scikit-image and
     scikit-learn; ``shards``: a folder of WebDataset tar shards (``path``)."""
     path: str | None = None
-    realism: Literal["real", "mock"] = "real"
+    realism: DataRealism = "real"
     """``mock`` (no images) is for benchmarks only: its results are labelled and can never win."""
 
     @model_validator(mode="after")

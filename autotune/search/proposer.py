@@ -109,12 +109,6 @@ class Proposer:
                 continue
             self.study.enqueue_trial(params, user_attrs={"source": f"warm_start:{warm.name}"})
 
-    def enqueue_configs(self, configs: list[Config], source: str) -> None:
-        """Queue known configs (e.g. an earlier campaign's finished trials)."""
-        for config in configs:
-            if config not in self.finished and self.space.contains(config):
-                self.study.enqueue_trial(config_params(config, self.space), user_attrs={"source": source})
-
     def propose(self) -> Proposal | None:
         """The next config to run, or ``None`` when the sampler keeps proposing nothing runnable."""
         for _ in range(self.max_asks):

@@ -13,21 +13,19 @@ import logging
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Literal
+from typing import Iterator
 
 import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from autotune.contract import DataRealism
 from trainables.data import tokenizer
 from trainables.data.image_tokens import decoder_image_tokens, smart_resize, to_patches
 from trainables.data.shards import DataError, iter_samples, list_shards
 
 log = logging.getLogger(__name__)
-
-Realism = Literal["real", "mock"]
-
 
 @dataclass(frozen=True)
 class ImageSettings:
@@ -193,7 +191,7 @@ class PackedVLMDataset(IterableDataset):
         rank: int = 0,
         world_size: int = 1,
         seed: int = 0,
-        realism: Realism = "real",
+        realism: DataRealism = "real",
     ) -> None:
         self.shards = list_shards(folder)
         self.folder = folder
