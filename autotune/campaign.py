@@ -21,9 +21,12 @@ from autotune.model import ModelSpec
 from autotune.resolve import resolve_model, resolve_trainable
 from autotune.rules import RuleContext
 from autotune.space import SearchSpace, load_space, resolve_space_path
+from autotune.steady import MIN_WINDOW
 from autotune.yaml_io import load_file
 
 Objective = Literal["useful_tokens_per_s_per_gpu", "model_tflops_per_s_per_gpu"]
+Launcher = Literal["auto", "local", "ray_train"]
+SamplerName = Literal["tpe", "random"]
 
 
 class _Strict(BaseModel):
@@ -59,13 +62,32 @@ class HardwareSection(_Strict):
     gpus_per_trial: int = Field(ge=1, description="World size of one trial.")
     memory_cap_fraction: float | None = Field(default=None, gt=0, le=1)
     """Cap each trial's GPU memory (``torch.cuda.set_per_process_memory_fraction``)."""
+    cpu_memory_cap_gib: float | None = Field(default=None, gt=0)
+    """CPU only: memory each rank may add once its model is built (``RLIMIT_AS``), so the OOM
+    boundary of a CPU campaign is real: steps that need more fail to allocate."""
+    launcher: Launcher = "auto"
+    """How a trial starts its ranks. ``ray_train``: a ``TorchTrainer`` worker group (any number of
+    nodes); ``local``: processes the trial spawns on its own node (one node; no per-trial worker
+    group start-up, which costs 30-36 s per trial on a 2-core box). ``auto``: ``local`` on the CPU,
+    ``ray_train`` on GPUs."""
+    data_workers: int = Field(default=1, ge=0, description="DataLoader worker processes per rank.")
 
     @model_validator(mode="after")
     def _trial_fits(self) -> "HardwareSection":
         total = self.gpus_per_node * self.nodes
         if self.gpus_per_trial > total:
             raise ValueError(f"gpus_per_trial ({self.gpus_per_trial}) exceeds the cluster's {total} GPUs")
+        if self.cpu_memory_cap_gib is not None and self.accelerator != "cpu":
+            raise ValueError("cpu_memory_cap_gib applies to accelerator 'cpu'; on GPUs use memory_cap_fraction")
+        if self.launcher == "local" and self.gpus_per_trial > self.gpus_per_node:
+            raise ValueError("launcher 'local' runs a trial on one node, but gpus_per_trial exceeds gpus_per_node")
         return self
+
+    @property
+    def resolved_launcher(self) -> Literal["local", "ray_train"]:
+        if self.launcher != "auto":
+            return self.launcher
+        return "local" if self.accelerator == "cpu" else "ray_train"
 
 
 class StackSection(_Strict):
@@ -96,15 +118,29 @@ class StagesSection(_Strict):
     screen_steps: int = Field(default=12, ge=2, description="Steps of a screening burst, warm-up included.")
     promote_top_k: int = Field(default=3, ge=1)
     promote_steps: int = Field(default=50, ge=50, description="The winner runs at least 50 steps.")
+    target_relative_half_width: float = Field(default=0.02, gt=0, lt=1)
+    """A screening burst stops once its steady interval is this tight (relative half-width)."""
+    prune_margin: float = Field(default=0.02, ge=0, lt=1)
+    """A trial is pruned once its interval's upper bound is this far below the best's lower bound."""
 
     @model_validator(mode="after")
     def _steady_window(self) -> "StagesSection":
-        if self.screen_steps <= self.warmup_steps:
+        if self.screen_steps < self.warmup_steps + MIN_WINDOW:
             raise ValueError(
                 f"screen_steps ({self.screen_steps}) must exceed warmup_steps ({self.warmup_steps}) "
-                "to leave a steady window"
+                f"by at least {MIN_WINDOW} to leave a steady window"
             )
         return self
+
+
+class SearchSection(_Strict):
+    sampler: SamplerName = "tpe"
+    """``tpe``: multivariate TPE with constant liar and constraints; ``random``."""
+    seed: int = 0
+    startup_trials: int = Field(default=4, ge=0, description="Trials before TPE models the space.")
+    warm_start_from: list[str] = Field(default_factory=list)
+    """Earlier run directories: their best finished configs are re-measured first, and the
+    configs that ran out of memory there are avoided here."""
 
 
 class CampaignFile(_Strict):
@@ -117,6 +153,7 @@ class CampaignFile(_Strict):
     stack: StackSection = Field(default_factory=StackSection)
     budget: BudgetSection
     stages: StagesSection = Field(default_factory=StagesSection)
+    search: SearchSection = Field(default_factory=SearchSection)
     objective: Objective = "useful_tokens_per_s_per_gpu"
     output_dir: str
 

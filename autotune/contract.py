@@ -7,7 +7,7 @@ the stack a trial runs on, and what a trainable can honour. (Later: the burst's 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Mapping
+from typing import Callable, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict
 
@@ -119,6 +119,22 @@ class StepRecord:
 
 
 @dataclass(frozen=True)
+class StepReport:
+    """What a burst tells its caller after each step, so a caller that stops it early (or loses
+    it) already holds everything the finished burst would have returned."""
+
+    record: StepRecord
+    evidence: dict
+    """The run's evidence as of this step (see :attr:`BurstResult.evidence`)."""
+    contract: dict | None = None
+    """The measurement contract, with the first step's report only."""
+
+
+Reporter = Callable[[StepReport], bool]
+"""Called after every step; returning ``False`` stops the burst after that step (``pruned``)."""
+
+
+@dataclass(frozen=True)
 class BurstResult:
     outcome: Outcome
     records: tuple[StepRecord, ...] = ()
@@ -128,7 +144,8 @@ class BurstResult:
     error: str | None = None
     evidence: dict = field(default_factory=dict)
     """What the run observed of its knobs (recompute active, frozen params without grads, EP
-    group size…), so promotion can check the knobs took effect."""
+    group size…), so promotion can check the knobs took effect. Its ``checks`` entry maps each
+    knob the trainable verified to whether the observation matched the config."""
 
 
 @dataclass(frozen=True)
@@ -145,3 +162,6 @@ class BurstRequest:
     """DataLoader worker processes per rank (decode and pack run there)."""
     memory_cap_fraction: float | None = None
     """On CUDA: ``torch.cuda.set_per_process_memory_fraction`` for the burst."""
+    cpu_memory_cap_bytes: int | None = None
+    """On the CPU: address space each rank may add once its model and loader are built
+    (``RLIMIT_AS``), so training steps that need more fail to allocate: a real OOM boundary."""

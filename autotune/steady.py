@@ -20,6 +20,9 @@ from typing import Sequence
 
 from scipy.stats import t as student_t
 
+MIN_WINDOW = 5
+"""Fewest steady steps an estimate is made from."""
+
 MAD_TO_SIGMA = 1.4826
 """Scales a median absolute deviation to a standard deviation for normal noise."""
 
@@ -76,7 +79,7 @@ def steady_state(
     values: Sequence[float],
     *,
     min_warmup: int = 1,
-    min_window: int = 5,
+    min_window: int = MIN_WINDOW,
     target_relative_half_width: float = 0.02,
     confidence: float = 0.95,
     outlier_mads: float = 5.0,

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from autotune.contract import StackCapabilities
 from autotune.knobs import Config, complete_config
@@ -50,3 +51,49 @@ def photo_shards(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("photos")
     build_photo_shards(folder)
     return folder
+
+
+# -- a small campaign for the engine's end-to-end tests --------------------------------------------
+
+SPACE = {
+    "name": "engine_test",
+    "target": {"model": "cpu_tiny_moe_vlm", "trainable": "native", "gpus_per_trial": 2, "stack": {"accelerator": "cpu"}},
+    "tune": {"micro_batch_size": [1, 4], "recompute_granularity": ["none", "full"], "expert_model_parallel_size": [1, 2]},
+    "fixed": {"moe_token_dispatcher_type": "alltoall", "recompute_method": "uniform", "recompute_num_layers": 1,
+              "freeze_vision_model": True},
+    "warm_start": [
+        {"name": "fast-ep2", "config": {"micro_batch_size": 4, "recompute_granularity": "none", "expert_model_parallel_size": 2}},
+        {"name": "slow", "config": {"micro_batch_size": 1, "recompute_granularity": "full", "expert_model_parallel_size": 1}},
+    ],
+}
+
+
+OOM_SPACE = SPACE | {
+    "tune": {"micro_batch_size": [1, 2, 4]},
+    "fixed": {"moe_token_dispatcher_type": "alltoall", "freeze_vision_model": True, "recompute_granularity": "none"},
+    "warm_start": [{"name": "smallest", "config": {"micro_batch_size": 1}}],
+}
+"""With a CPU memory cap of 8 MiB even MBS 1 fails to allocate: one real OOM, after which every
+larger MBS needs at least its memory and is rejected before launch."""
+OOM_CAP_GIB = 8 / 1024
+
+
+def campaign_file(folder: Path, *, max_trials: int, top_k: int = 1, space: dict = SPACE, **hardware) -> Path:
+    (folder / "space.yaml").write_text(yaml.safe_dump(space))
+    campaign = {
+        "name": "engine-test",
+        "trainable": "native",
+        "space": str(folder / "space.yaml"),
+        "model": {"preset": "cpu_tiny_moe_vlm", "overrides": {"seq_length": 128, "images": {"max_pixels": 224 * 224}}},
+        "hardware": {"accelerator": "cpu", "gpus_per_node": 2, "gpus_per_trial": 2, "data_workers": 0, **hardware},
+        "budget": {"max_trials": max_trials},
+        # Prune only what is clearly worse (25 % below the best's lower bound), so near-best
+        # configs reach promotion and the verdict has intervals to compare.
+        "stages": {"warmup_steps": 1, "screen_steps": 12, "promote_top_k": top_k, "promote_steps": 50,
+                   "target_relative_half_width": 0.01, "prune_margin": 0.25},
+        "search": {"seed": 0, "startup_trials": 2},
+        "output_dir": str(folder / "runs"),
+    }
+    path = folder / "campaign.yaml"
+    path.write_text(yaml.safe_dump(campaign))
+    return path

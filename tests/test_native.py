@@ -7,6 +7,7 @@ import pickle
 import socket
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -197,9 +198,30 @@ def test_unexpected_error_is_failed_with_traceback(photo_shards: Path, monkeypat
 def test_reporter_sees_every_step_and_prunes_the_burst(photo_shards: Path, world_size: int) -> None:
     seen = []
     result = run_local(request(photo_shards, steps=6, world_size=world_size),
-                       reporter=lambda record: seen.append(record) or len(seen) < 2)
+                       reporter=lambda report: seen.append(report) or len(seen) < 2)
     assert result.outcome == "pruned" and len(result.records) == 2
-    assert seen == list(result.records)  # the caller saw exactly the records the burst kept
+    assert [r.record for r in seen] == list(result.records)  # the caller saw exactly the records kept
+    # The first report carries the contract, every report the evidence: a caller that kills the
+    # burst instead of letting it return still holds both.
+    assert seen[0].contract is not None and seen[0].contract["config"] == result.contract["config"]
+    assert seen[1].contract is None and seen[1].evidence["checks"] == result.evidence["checks"]
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_cpu_memory_cap_turns_a_too_large_step_into_oom(photo_shards: Path, world_size: int) -> None:
+    capped = run_local(replace(request(photo_shards, steps=2, world_size=world_size, micro_batch_size=4),
+                               cpu_memory_cap_bytes=8 * 2**20))
+    assert capped.outcome == "oom", capped.error
+    assert "can't allocate memory" in capped.error
+    roomy = run_local(replace(request(photo_shards, steps=2, world_size=world_size), cpu_memory_cap_bytes=2**33))
+    assert roomy.outcome == "ok", roomy.error
+
+
+def test_evidence_checks_every_verified_knob(photo_shards: Path) -> None:
+    result = run_local(request(photo_shards, steps=2, recompute_granularity="selective",
+                               recompute_modules=["core_attn"], freeze_vision_model=True))
+    assert result.outcome == "ok", result.error
+    assert result.evidence["checks"] and all(result.evidence["checks"].values()), result.evidence
 
 
 @pytest.mark.parametrize(

@@ -64,7 +64,7 @@ def test_rule_rejected_configs_never_reach_a_device_but_are_told(sampler: str) -
     told = proposer.study.get_trials(deepcopy=False)
     invalid = [t for t in told if t.user_attrs.get("outcome") == "invalid"]
     assert invalid, "the sampler proposed FSDP2 with EP=2 at least once and was told"
-    assert all(t.user_attrs["constraint"] == [1.0] and t.user_attrs["cost_seconds"] == 0.0 for t in invalid)
+    assert all(t.constraints == {"feasible": 1.0} and t.user_attrs["cost_seconds"] == 0.0 for t in invalid)
     assert all("torch_fsdp2_needs_pp1_ep1" in t.user_attrs["reason"] for t in invalid)
     assert len(set(launched)) == len(launched), "no config runs twice"
 
@@ -96,7 +96,7 @@ def test_an_oom_is_told_once_and_configs_needing_more_memory_are_skipped() -> No
     assert oom_config is not None
     trials = proposer.study.get_trials(deepcopy=False)
     ooms = [t for t in trials if t.user_attrs.get("outcome") == "oom"]
-    assert len(ooms) == 1 and ooms[0].user_attrs["constraint"] == [1.0]
+    assert len(ooms) == 1 and ooms[0].constraints == {"feasible": 1.0}
     assert ooms[0].user_attrs["peak_memory_bytes"] == 30 * 2**30
     assert any(t.user_attrs.get("outcome") == "oom_predicted" for t in trials)
 

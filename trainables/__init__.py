@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import importlib
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from autotune.contract import BurstRequest, BurstResult, TrainableSupport
+from autotune.contract import BurstRequest, BurstResult, Reporter, TrainableSupport
 from autotune.errors import AutotuneError
+
+if TYPE_CHECKING:
+    import torch
 
 _SUPPORT_MODULES = {
     "native": "trainables.native.capabilities",
@@ -19,6 +22,9 @@ _SUPPORT_MODULES = {
 }
 _RUNNERS = {
     "native": "trainables.native.launch:run_local",
+}
+_RANK_RUNNERS = {
+    "native": "trainables.native.burst:run_rank",
 }
 TRAINABLES = tuple(_SUPPORT_MODULES)
 
@@ -34,5 +40,17 @@ def burst_runner(name: str) -> Callable[[BurstRequest], BurstResult]:
     """The function that runs one burst of the trainable ``name`` on this machine's devices."""
     if name not in _RUNNERS:
         raise AutotuneError(f"the {name} trainable has no burst runner in this version (runners: {', '.join(_RUNNERS)})")
-    module, _, function = _RUNNERS[name].partition(":")
+    return _load(_RUNNERS[name])
+
+
+def rank_runner(name: str) -> Callable[[BurstRequest, "torch.device", Reporter | None], BurstResult]:
+    """The function that runs one rank of a burst of ``name`` once ``torch.distributed`` is up
+    (a Ray Train worker group starts the ranks and sets the process group up)."""
+    if name not in _RANK_RUNNERS:
+        raise AutotuneError(f"the {name} trainable has no rank runner in this version (runners: {', '.join(_RANK_RUNNERS)})")
+    return _load(_RANK_RUNNERS[name])
+
+
+def _load(reference: str) -> Callable:
+    module, _, function = reference.partition(":")
     return getattr(importlib.import_module(module), function)

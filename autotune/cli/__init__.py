@@ -27,10 +27,12 @@ error_console = Console(stderr=True)
 
 
 def _register() -> None:
-    from autotune.cli import burst_cmd, data_cmd, export_cmd, knobs_cmd, space_cmd, validate_cmd
+    from autotune.cli import burst_cmd, data_cmd, export_cmd, knobs_cmd, run_cmd, space_cmd, validate_cmd
 
     app.add_typer(space_cmd.app, name="space")
     app.add_typer(data_cmd.app, name="data")
+    app.command("run")(run_cmd.run)
+    app.command("resume")(run_cmd.resume)
     app.command("validate")(validate_cmd.validate)
     app.command("knobs")(knobs_cmd.knobs)
     app.command("burst")(burst_cmd.burst)

@@ -7,9 +7,8 @@ from pathlib import Path
 
 import typer
 
+from autotune.engine.rundir import WINNER_FILE
 from autotune.export import FORMATS, load_document, render
-
-WINNER_FILE = "winner.yaml"
 
 
 def export(

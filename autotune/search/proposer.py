@@ -2,7 +2,7 @@
 
 Configs the rules reject, and configs that surely need at least the memory of one that ran out of
 it, never reach a device: they are told to the study at once as infeasible (Optuna's
-``constraints_func`` reads the ``constraint`` user attribute; > 0 is infeasible), so the sampler
+constraints: a ``feasible`` constraint > 0 is infeasible), so the sampler
 learns the region to avoid at no cost. OOM, invalid and failed runs are told the same way, with the
 peak memory seen. A config already finished is answered from its earlier result instead of being
 run twice. The study lives in Optuna storage (a journal file in the output directory), so a new
@@ -12,12 +12,12 @@ run twice. The study lives in Optuna storage (a journal file in the output direc
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass
-from typing import Literal
-
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
+from autotune.campaign import SamplerName
 from autotune.knobs import Config, complete_config
 from autotune.rules import RuleContext, violations
 from autotune.search.encoding import config_params, suggest_config
@@ -26,32 +26,42 @@ from autotune.space import SearchSpace
 
 log = logging.getLogger(__name__)
 
-SamplerName = Literal["tpe", "random"]
 INFEASIBLE_OUTCOMES = frozenset({"oom", "invalid", "failed"})
 
 
-def constraint_of(trial: FrozenTrial) -> list[float]:
-    """Optuna's constraints_func: the ``constraint`` user attribute (a trial without one is feasible)."""
-    return trial.user_attrs.get("constraint", [0.0])
+CONSTRAINT = "feasible"
+"""The one constraint every trial sets: 0 when it ran, 1 when it could not (> 0 is infeasible)."""
 
 
 def make_sampler(name: SamplerName, seed: int, startup_trials: int) -> optuna.samplers.BaseSampler:
     if name == "random":
         return optuna.samplers.RandomSampler(seed=seed)
-    return optuna.samplers.TPESampler(
-        seed=seed,
-        n_startup_trials=startup_trials,
-        multivariate=True,
-        group=True,  # conditional knobs form groups of their own
-        constant_liar=True,  # parallel trials do not all chase the same optimum
-        constraints_func=constraint_of,
-    )
+    with warnings.catch_warnings():  # multivariate and group are "experimental" since Optuna 2.2
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return optuna.samplers.TPESampler(
+            seed=seed,
+            n_startup_trials=startup_trials,
+            multivariate=True,
+            group=True,  # conditional knobs form groups of their own
+            constant_liar=True,  # parallel trials do not all chase the same optimum
+        )
 
 
 def journal_storage(path: str) -> optuna.storages.JournalStorage:
     from optuna.storages.journal import JournalFileBackend
 
     return optuna.storages.JournalStorage(JournalFileBackend(path))
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """A proposed config that never reached a device, and why."""
+
+    number: int
+    config: Config
+    outcome: str
+    """``invalid`` (a rule) or ``oom_predicted`` (it needs at least the memory of an OOM)."""
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -91,8 +101,13 @@ class Proposer:
         self.running: dict[int, tuple[Proposal, optuna.Trial]] = {}
         self.finished: dict[Config, FrozenTrial] = {}
         self.out_of_memory: list[Config] = []
+        self.rejections: list[Rejection] = []
+        """Rejected proposals not yet collected by :meth:`take_rejections`."""
         for trial in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
             self._remember(trial)
+        # Trials left running by a driver that died are lost; their configs may be proposed again.
+        for trial in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            self.study.tell(trial.number, state=TrialState.FAIL)
 
     # -- proposing ---------------------------------------------------------------------------------
     def enqueue_warm_starts(self) -> None:
@@ -109,6 +124,31 @@ class Proposer:
                 continue
             self.study.enqueue_trial(params, user_attrs={"source": f"warm_start:{warm.name}"})
 
+    def warm_start_from(self, earlier: list[tuple[Config, str, float | None]], best: int) -> int:
+        """Learn from an earlier campaign's finished trials (config, outcome, objective): queue its
+        ``best`` feasible configs that this space holds to be measured here first, and avoid the
+        configs that need at least the memory of one that ran out there. Returns how many were queued."""
+        for config, outcome, _ in earlier:
+            if outcome == "oom" and config not in self.out_of_memory:
+                self.out_of_memory.append(config)
+        feasible = sorted(
+            ((value, config) for config, outcome, value in earlier
+             if outcome == "ok" and value is not None and self.space.contains(config) and config not in self.finished),
+            key=lambda item: -item[0],
+        )
+        queued = 0
+        for _, config in feasible[:best]:
+            if self.use_rules and violations(config, self.context):
+                continue
+            self.study.enqueue_trial(config_params(config, self.space), user_attrs={"source": "earlier_campaign"},
+                                     skip_if_exists=True)
+            queued += 1
+        return queued
+
+    def take_rejections(self) -> list[Rejection]:
+        taken, self.rejections = self.rejections, []
+        return taken
+
     def propose(self) -> Proposal | None:
         """The next config to run, or ``None`` when the sampler keeps proposing nothing runnable."""
         for _ in range(self.max_asks):
@@ -117,10 +157,11 @@ class Proposer:
             trial.set_user_attr("config", config.to_plain())
             source = trial.user_attrs.get("source", "sampler")
             if self.use_rules and (found := violations(config, self.context)):
-                self._infeasible(trial, "invalid", "; ".join(f"[{v.rule}] {v.reason}" for v in found))
+                self._infeasible(trial, config, "invalid", "; ".join(f"[{v.rule}] {v.reason}" for v in found))
                 continue
             if self.use_oom_feedback and (oom := self._dominated_oom(config)) is not None:
-                self._infeasible(trial, "oom_predicted", f"needs at least the memory of {oom.describe()}, which ran out")
+                self._infeasible(trial, config, "oom_predicted",
+                                 f"needs at least the memory of {oom.describe()}, which ran out")
                 continue
             if config in self.finished:
                 self._repeat(trial, self.finished[config])
@@ -151,23 +192,25 @@ class Proposer:
         trial.set_user_attr("outcome", outcome)
         trial.set_user_attr("cost_seconds", cost_seconds)
         trial.set_user_attr("peak_memory_bytes", peak_memory_bytes)
-        trial.set_user_attr("constraint", [1.0] if infeasible else [0.0])
+        trial.set_constraint(CONSTRAINT, 1.0 if infeasible else 0.0)
         if error:
             trial.set_user_attr("error", error[-2000:])
         frozen = self.study.tell(trial, 0.0 if infeasible or value is None else value)
         self._remember(frozen)
 
-    def _infeasible(self, trial: optuna.Trial, outcome: str, reason: str) -> None:
+    def _infeasible(self, trial: optuna.Trial, config: Config, outcome: str, reason: str) -> None:
+        self.rejections.append(Rejection(trial.number, config, outcome, reason))
         trial.set_user_attr("outcome", outcome)
         trial.set_user_attr("reason", reason)
-        trial.set_user_attr("constraint", [1.0])
+        trial.set_constraint(CONSTRAINT, 1.0)
         trial.set_user_attr("cost_seconds", 0.0)
         self.study.tell(trial, 0.0)
 
     def _repeat(self, trial: optuna.Trial, earlier: FrozenTrial) -> None:
-        for key in ("outcome", "constraint", "peak_memory_bytes"):
+        for key in ("outcome", "peak_memory_bytes"):
             if key in earlier.user_attrs:
                 trial.set_user_attr(key, earlier.user_attrs[key])
+        trial.set_constraint(CONSTRAINT, earlier.constraints.get(CONSTRAINT, 0.0))
         trial.set_user_attr("duplicate_of", earlier.number)
         trial.set_user_attr("cost_seconds", 0.0)
         self.study.tell(trial, earlier.value)

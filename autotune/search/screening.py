@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
-from autotune.steady import SteadyEstimate, steady_state
+from autotune.steady import MIN_WINDOW, SteadyEstimate, steady_state
 
 Action = Literal["continue", "stop", "prune"]
 
@@ -28,7 +28,7 @@ def screen(
     *,
     best: SteadyEstimate | None,
     min_warmup: int,
-    min_window: int = 5,
+    min_window: int = MIN_WINDOW,
     target_relative_half_width: float = 0.02,
     prune_margin: float = 0.02,
 ) -> ScreenDecision:

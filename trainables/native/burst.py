@@ -15,13 +15,14 @@ import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
-from autotune.contract import BurstRequest, BurstResult, StepRecord
+from autotune.contract import BurstRequest, BurstResult, Reporter, StepRecord, StepReport
 from trainables.data.loader import ImageSettings, MicroBatch, PackedVLMDataset, make_loader
 from trainables.native.cuda_graphs import apply_cuda_graphs
 from trainables.native.flops import CONVENTION, step_flops
@@ -37,10 +38,8 @@ from trainables.native.recompute import Checkpointed, apply_recompute
 
 log = logging.getLogger(__name__)
 
-Reporter = Callable[[StepRecord], bool]
-"""Called on rank 0 after every step; returning ``False`` stops the burst (outcome ``pruned``)."""
-
 OOM_ERRORS = (torch.OutOfMemoryError, MemoryError)
+CPU_ALLOCATION_FAILURE = "DefaultCPUAllocator: can't allocate memory"
 
 
 class StageClock:
@@ -121,7 +120,19 @@ class BurstRun:
     optimizer: torch.optim.Optimizer
 
     def evidence(self) -> dict:
-        """What the run observed of its knobs, for promotion to check they took effect."""
+        """What the run observed of its knobs, and per knob whether that matches the config."""
+        observed = self._observed()
+        config = self.request.config
+        observed["checks"] = {
+            "recompute_granularity": (observed["recompute_calls"] > 0) == (config.recompute_granularity != "none"),
+            "freeze_vision_model": observed["frozen_vision_params_with_grad"] in (None, 0),
+            "expert_model_parallel_size": observed["ep_group_size"] == config.expert_model_parallel_size,
+            "use_torch_fsdp2": observed["fsdp2_sharded"] == bool(config.use_torch_fsdp2 and self.request.world_size > 1),
+            "cuda_graph_impl": (observed["cuda_graph_replays"] > 0) == (config.cuda_graph_impl != "none"),
+        }
+        return observed
+
+    def _observed(self) -> dict:
         config = self.request.config
         return {
             "recompute_wrappers": len(self.checkpoints),
@@ -133,6 +144,7 @@ class BurstRun:
                 m.local_count for m in self.model.modules() if isinstance(m, GroupedExperts)
             ),
             "data_parallel": type(self.wrapped).__name__,
+            "fsdp2_sharded": isinstance(self.wrapped, FSDPModule),
             "cuda_graph_units": len(self.graphed),
             "cuda_graph_replays": sum(module.graph_replays for module in self.graphed),
         }
@@ -192,7 +204,8 @@ def _loader(request: BurstRequest, rank: int) -> Iterator[MicroBatch]:
 def run_rank(request: BurstRequest, device: torch.device, reporter: Reporter | None = None) -> BurstResult:
     """Run the burst on this rank (``torch.distributed`` already initialised when world > 1).
 
-    Every rank returns a result; rank 0's carries the records and the contract.
+    Every rank returns a result; rank 0's carries the records and the contract. ``reporter`` is
+    called on every rank that has one; rank 0's verdict decides for all.
     """
     if device.type == "cuda" and request.memory_cap_fraction:
         torch.cuda.set_per_process_memory_fraction(request.memory_cap_fraction, device)
@@ -208,19 +221,47 @@ def run_rank(request: BurstRequest, device: torch.device, reporter: Reporter | N
     records: list[StepRecord] = []
     outcome = "ok"
     try:
-        for step in range(request.steps):
-            record, stop = _train_step(run, step, reporter)
-            records.append(record)
-            if stop:
-                outcome = "pruned"
-                break
+        with _cpu_memory_cap(device, request.cpu_memory_cap_bytes):
+            for step in range(request.steps):
+                record, stop = _train_step(run, step, reporter)
+                records.append(record)
+                if stop:
+                    outcome = "pruned"
+                    break
     except OOM_ERRORS as exc:
         return _release(BurstResult(outcome="oom", records=tuple(records), error=f"{type(exc).__name__}: {exc}"), device)
+    except RuntimeError as exc:
+        if CPU_ALLOCATION_FAILURE in str(exc):
+            return BurstResult(outcome="oom", records=tuple(records), error=str(exc).splitlines()[0])
+        return BurstResult(outcome="failed", records=tuple(records), error=traceback.format_exc())
     except Exception:  # noqa: BLE001 - the contract turns anything else into `failed`, with the trace
         return BurstResult(outcome="failed", records=tuple(records), error=traceback.format_exc())
 
     return BurstResult(outcome=outcome, records=tuple(records), contract=_contract(request, device),
                        evidence=run.evidence())
+
+
+@contextmanager
+def _cpu_memory_cap(device: torch.device, cap_bytes: int | None):
+    """Let this process's address space grow by at most ``cap_bytes`` (CPU only), then restore."""
+    if cap_bytes is None or device.type != "cpu":
+        yield
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    current = _address_space_bytes()
+    limit = current + cap_bytes
+    resource.setrlimit(resource.RLIMIT_AS, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def _address_space_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmSize:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmSize in /proc/self/status: the CPU memory cap needs Linux")
 
 
 def _train_step(run: BurstRun, step: int, reporter: Reporter | None) -> tuple[StepRecord, bool]:
@@ -269,8 +310,10 @@ def _train_step(run: BurstRun, step: int, reporter: Reporter | None) -> tuple[St
         loss=sums[5].item() / request.world_size,
         skipped_samples=int(sums[6].item()),
     )
-    if run.rank == 0 and reporter is not None and not reporter(record):
-        stop_flag[0] = 1.0
+    if reporter is not None:
+        report = StepReport(record, run.evidence(), _contract(request, device) if step == 0 else None)
+        if not reporter(report) and run.rank == 0:
+            stop_flag[0] = 1.0
     if request.world_size > 1:
         dist.broadcast(stop_flag, src=0)
     return record, bool(stop_flag[0].item())

@@ -1,14 +1,19 @@
-"""Start a burst's ranks on this machine: in-process for one rank, spawned processes over gloo
-(CPU) or NCCL (one GPU each) for more. The campaign engine starts ranks through Ray instead and
+"""Start a burst's ranks on this machine: in-process for one rank, processes over gloo (CPU) or
+NCCL (one GPU each) for more. Rank processes fork from a forkserver that has already imported
+torch and this trainable, so a burst does not pay their import (seconds per rank) each time. The campaign engine starts ranks through Ray instead and
 calls :func:`~trainables.native.burst.run_rank` the same way."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import pickle
 import queue
+import signal
 import socket
+import sys
 import tempfile
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -16,10 +21,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from autotune.contract import BurstRequest, BurstResult, StepRecord
-from trainables.native.burst import Reporter, run_rank
+from autotune.contract import BurstRequest, BurstResult, Reporter, StepReport
+from trainables.native.burst import run_rank
 
 RANK_TIMEOUT = timedelta(minutes=5)
+STRAGGLER_GRACE_SECONDS = 10.0
+"""Once one rank has exited, how long the others may take before they are presumed stuck in a
+collective with it (after an OOM on one rank, say) and killed."""
 
 
 def _free_port() -> int:
@@ -45,14 +53,29 @@ class _RelayedReporter:
     def __init__(self, records: mp.Queue, verdicts: mp.Queue) -> None:
         self.records, self.verdicts = records, verdicts
 
-    def __call__(self, record: StepRecord) -> bool:
-        self.records.put(record)
+    def __call__(self, report: StepReport) -> bool:
+        self.records.put(report)
         return self.verdicts.get()
+
+
+_CONTEXT = mp.get_context("forkserver")
+_CONTEXT.set_forkserver_preload(["trainables.native.burst"])
+
+
+def _die_with_parent() -> None:
+    """Linux: this rank gets SIGKILL when its parent (the forkserver, which exits with the
+    launching process) dies, so no rank outlives a trial killed by its scheduler or a driver
+    killed with SIGKILL."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _rank_main(
     rank: int, world_size: int, port: int, request: BurstRequest, out_dir: str, reporter: Reporter | None
 ) -> None:
+    _die_with_parent()
+    if os.getppid() == 1:  # orphaned before the signal was armed
+        return
     torch.set_num_threads(cpu_threads_per_rank(world_size))
     device = device_for(rank)
     if device.type == "cuda":
@@ -71,45 +94,79 @@ def _rank_main(
 def run_local(request: BurstRequest, reporter: Reporter | None = None) -> BurstResult:
     """Run the burst on ``request.world_size`` local ranks; merge the ranks' outcomes.
 
-    ``reporter`` is called here, in the caller's process, with every step's record (rank 0's
+    ``reporter`` is called here, in the caller's process, with every step's report (rank 0's
     aggregate); returning ``False`` stops every rank after that step (outcome ``pruned``).
     """
     if request.world_size == 1:
         torch.set_num_threads(cpu_threads_per_rank(1))
         return run_rank(request, device_for(0), reporter)
     with tempfile.TemporaryDirectory(prefix="burst-") as out_dir:
-        context = mp.get_context("spawn")
-        records, verdicts = context.Queue(), context.Queue()
-        relay = _RelayedReporter(records, verdicts) if reporter is not None else None
+        reports, verdicts = _CONTEXT.Queue(), _CONTEXT.Queue()
+        relay = _RelayedReporter(reports, verdicts) if reporter is not None else None
         port = _free_port()
         processes = [
-            context.Process(target=_rank_main, args=(rank, request.world_size, port, request, out_dir, relay))
+            _CONTEXT.Process(
+                target=_rank_main, args=(rank, request.world_size, port, request, out_dir, relay)
+            )
             for rank in range(request.world_size)
         ]
-        for process in processes:
-            process.start()
-        while reporter is not None and any(process.is_alive() for process in processes):
-            try:
-                record = records.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            verdicts.put(bool(reporter(record)))
-        for process in processes:
-            process.join()
+        stragglers: set[int] = set()
+        try:
+            for process in processes:
+                process.start()
+            stragglers = _supervise(processes, reports, verdicts, reporter)
+        finally:
+            for process in processes:
+                if process.pid is None:  # never started
+                    continue
+                if process.is_alive():
+                    process.kill()
+                process.join()
         results = []
         for rank, process in enumerate(processes):
             path = Path(out_dir, f"rank{rank}.pkl")
             if path.exists():
                 results.append(pickle.loads(path.read_bytes()))
-            else:
-                results.append(BurstResult(outcome="failed", error=f"rank {rank} exited with code {process.exitcode}"))
+            elif rank not in stragglers:
+                results.append(BurstResult(outcome="failed", error=_exit_reason(rank, process.exitcode)))
     return merge_rank_results(results)
 
 
+def _exit_reason(rank: int, exitcode: int | None) -> str:
+    if exitcode == -signal.SIGKILL:
+        return f"rank {rank} was killed with SIGKILL (the kernel's OOM killer, or an operator)"
+    return f"rank {rank} exited with code {exitcode} before reporting"
+
+
+def _supervise(processes: list, reports: mp.Queue, verdicts: mp.Queue, reporter: Reporter | None) -> set[int]:
+    """Relay rank 0's reports to ``reporter`` until every rank exits; kill ranks left stuck
+    after another one exited (they wait in a collective for a rank that is gone) and return them."""
+    first_exit: float | None = None
+    stragglers: set[int] = set()
+    while any(process.is_alive() for process in processes):
+        if reporter is None:
+            time.sleep(0.2)
+        else:
+            try:
+                verdicts.put(bool(reporter(reports.get(timeout=0.2))))
+            except queue.Empty:
+                pass
+        if first_exit is None and any(not process.is_alive() for process in processes):
+            first_exit = time.monotonic()
+        if first_exit is not None and time.monotonic() - first_exit > STRAGGLER_GRACE_SECONDS:
+            for rank, process in enumerate(processes):
+                if process.is_alive():
+                    process.kill()
+                    stragglers.add(rank)
+    return stragglers
+
+
 def merge_rank_results(results: list[BurstResult]) -> BurstResult:
-    """Rank 0's records and contract, with the worst outcome any rank saw."""
-    severity = ["ok", "pruned", "invalid", "oom", "failed"]
-    worst = max(results, key=lambda r: severity.index(r.outcome))
+    """The first reporting rank's records and contract (rank 0's unless it was killed), with the
+    outcome that explains the others: an OOM or an invalid config on one rank makes its peers
+    fail in their next collective, so those causes outrank ``failed``."""
+    cause = ["ok", "pruned", "failed", "invalid", "oom"]
+    worst = max(results, key=lambda r: cause.index(r.outcome))
     primary = results[0]
     if worst.outcome == primary.outcome:
         return primary

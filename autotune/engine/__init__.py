@@ -1,0 +1,1 @@
+"""The campaign engine: Ray Tune trials driven by the Optuna study, screened, promoted, recorded."""

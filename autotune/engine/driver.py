@@ -1,0 +1,214 @@
+"""``autotune run`` and ``autotune resume``: a campaign as Ray Tune stages on a Ray cluster.
+
+Screening: the Optuna study proposes configs (rules and OOM record filter them first), each runs
+as a short Tune trial that our scheduler stops when steady or prunes when it cannot catch the
+best. Promotion: the best distinct configs re-run for ``promote_steps``; the verdict says whether
+the winner beats the others beyond their intervals; the winner is exported. Budget limits end
+screening early, never promotion of what screening found.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray import tune
+
+from autotune.bursts import data_folder
+from autotune.campaign import Campaign
+from autotune.contract import BurstRequest, DataSpec
+from autotune.engine.ledger import Ledger, Stage
+from autotune.engine.live import LiveView
+from autotune.engine.promotion import Verdict, decide, leaderboard, promotion_candidates
+from autotune.engine.rundir import LEADERBOARD_FILE, SPEND_FILE, WINNER_FILE, RunDir, open_run_dir
+from autotune.engine.trial import TrialJob, run_trial
+from autotune.errors import AutotuneError
+from autotune.export import document
+from autotune.knobs import complete_config
+from autotune.search.proposer import Proposer, journal_storage
+
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class CampaignOutcome:
+    run_dir: RunDir
+    verdict: Verdict
+    spend: dict[str, Any]
+
+
+def connect(address: str | None) -> None:
+    """Join the Ray cluster at ``address`` (or ``RAY_ADDRESS``, which ``ray job submit`` sets for
+    its jobs); without one, start a new local single-node cluster (never a stray one running here)."""
+    # Our live view replaces Tune's console output.
+    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+    if ray.is_initialized():
+        return
+    ray.init(address=address or os.environ.get("RAY_ADDRESS") or "local", log_to_driver=False,
+             configure_logging=False)
+
+
+def run_campaign(campaign: Campaign, run_dir: RunDir, view: LiveView) -> CampaignOutcome:
+    spec = campaign.spec
+    benchmark_only = spec.data.realism == "mock"
+    ledger = Ledger(
+        run_dir,
+        world_size=spec.hardware.gpus_per_trial,
+        warmup_steps=spec.stages.warmup_steps,
+        target_relative_half_width=spec.stages.target_relative_half_width,
+        benchmark_only=benchmark_only,
+    )
+    job = _trial_job(campaign, run_dir)
+    proposer = Proposer(
+        campaign.space, campaign.rule_context, journal_storage(str(run_dir.study_path)), spec.name,
+        sampler=spec.search.sampler, seed=spec.search.seed, startup_trials=spec.search.startup_trials,
+    )
+    proposer.enqueue_warm_starts()
+    for earlier in spec.search.warm_start_from:
+        queued = proposer.warm_start_from(_earlier_trials(Path(earlier)), best=max(1, spec.search.startup_trials))
+        view.note(f"warm start from {earlier}: {queued} config(s) queued")
+
+    from autotune.engine.tune_roles import Budget, BudgetStopper, ListSearcher, ScreeningScheduler, StudySearcher
+
+    budget = Budget(campaign, ledger)
+    view.attach(ledger, budget)
+    if budget.trials_left() and not budget.exhausted():
+        searcher = StudySearcher(proposer, ledger, budget, spec.stages.screen_steps)
+        _run_stage(
+            "screen", job, run_dir, view, campaign,
+            searcher=searcher, scheduler=ScreeningScheduler(ledger, campaign, screening=True),
+            samples=budget.trials_left(), stopper=BudgetStopper(budget, ledger),
+        )
+        if (why := budget.exhausted()) is not None:
+            view.note(f"screening ended early: {why}")
+
+    candidates = promotion_candidates(ledger.entries, spec.stages.promote_top_k)
+    if candidates:
+        view.note(f"promoting {len(candidates)} config(s) for {spec.stages.promote_steps} steps")
+        _run_stage(
+            "promote", job, run_dir, view, campaign,
+            searcher=ListSearcher(candidates, ledger, spec.stages.promote_steps),
+            scheduler=ScreeningScheduler(ledger, campaign, screening=False),
+            samples=len(candidates), stopper=None,
+        )
+    verdict = decide(ledger.launched("promote"))
+    run_dir.write_json(LEADERBOARD_FILE, leaderboard(ledger.entries, verdict))
+    spend = ledger.spend()
+    run_dir.write_json(SPEND_FILE, spend)
+    if verdict.winner is not None:
+        _write_winner(run_dir, campaign, verdict)
+    return CampaignOutcome(run_dir, verdict, spend)
+
+
+def resume_campaign(path: Path, view: LiveView) -> CampaignOutcome:
+    run_dir = open_run_dir(path)
+    return run_campaign(run_dir.load_campaign(), run_dir, view)
+
+
+def _trial_job(campaign: Campaign, run_dir: RunDir) -> TrialJob:
+    spec = campaign.spec
+    hardware = spec.hardware
+    folder = data_folder(spec.data.source, spec.data.path, campaign.path.parent)
+    template = BurstRequest(
+        config=complete_config({}, defaults=campaign.space.fixed),
+        model=campaign.model,
+        data=DataSpec(str(folder.resolve()), spec.data.realism),
+        steps=spec.stages.screen_steps,
+        world_size=hardware.gpus_per_trial,
+        seed=spec.search.seed,
+        data_workers=hardware.data_workers,
+        memory_cap_fraction=hardware.memory_cap_fraction,
+        cpu_memory_cap_bytes=None if hardware.cpu_memory_cap_gib is None else int(hardware.cpu_memory_cap_gib * GIB),
+    )
+    return TrialJob(
+        trainable=spec.trainable,
+        request=template,
+        launcher=hardware.resolved_launcher,
+        objective=spec.objective,
+        use_gpu=hardware.accelerator != "cpu",
+        storage_path=str(run_dir.ray_storage / "train"),
+        data_source=spec.data.source,
+    )
+
+
+def _concurrency(job: TrialJob) -> int:
+    """How many trials run at once: as many as the cluster's free slots hold (at least one when
+    its total could hold one: the trial then waits for slots another job frees)."""
+    per_trial = job.trial_resources()
+    if job.launcher == "ray_train":
+        per_worker = job.worker_resources()
+        per_trial = {k: per_trial.get(k, 0) + per_worker.get(k, 0) * job.request.world_size
+                     for k in {*per_trial, *per_worker}}
+
+    def fits(resources: dict[str, float]) -> int:
+        return min(int(resources.get(name, 0) / amount + 1e-9) for name, amount in per_trial.items() if amount > 0)
+
+    total = ray.cluster_resources()
+    if fits(total) < 1:
+        raise AutotuneError(
+            f"the Ray cluster has {', '.join(f'{k}={v:g}' for k, v in sorted(total.items()) if k in per_trial)} "
+            f"in all, but one trial needs {', '.join(f'{k}={v:g}' for k, v in sorted(per_trial.items()))}"
+        )
+    return max(1, fits(ray.available_resources()))
+
+
+def _run_stage(stage: Stage, job: TrialJob, run_dir: RunDir, view: LiveView, campaign: Campaign, *,
+               searcher, scheduler, samples: int, stopper) -> None:
+    from autotune.engine.tune_roles import ViewCallback
+
+    attempt = sum(1 for p in run_dir.ray_storage.glob(f"{stage}-*")) + 1 if run_dir.ray_storage.exists() else 1
+    view.stage(stage)
+    tuner = tune.Tuner(
+        tune.with_resources(tune.with_parameters(run_trial, job=job), job.trial_resources()),
+        tune_config=tune.TuneConfig(
+            search_alg=searcher,
+            scheduler=scheduler,
+            num_samples=samples,
+            max_concurrent_trials=_concurrency(job),
+            # A trial process ends with its trial: stopped trials leave nothing behind in it, and a
+            # ray_train trial's worker group goes with it.
+            reuse_actors=False,
+            trial_dirname_creator=lambda trial: trial.trial_id,
+        ),
+        run_config=tune.RunConfig(
+            name=f"{stage}-{attempt}",
+            storage_path=str(run_dir.ray_storage),
+            stop=stopper,
+            callbacks=[ViewCallback(view.refresh)],
+            verbose=0,
+            failure_config=tune.FailureConfig(max_failures=0),
+        ),
+    )
+    tuner.fit()
+
+
+def _write_winner(run_dir: RunDir, campaign: Campaign, verdict: Verdict) -> None:
+    import yaml
+
+    winner = verdict.winner
+    extra = {
+        "campaign": campaign.spec.name,
+        "objective": {"metric": campaign.spec.objective, "mean": winner["objective"],
+                      "ci_low": winner["estimate"]["ci_low"], "ci_high": winner["estimate"]["ci_high"],
+                      "confidence": winner["estimate"]["confidence"], "steady_steps": winner["estimate"]["window"]},
+        "verdict": verdict.summary,
+        "tied_with": [e["config"] for e in verdict.tied],
+        "evidence": winner["evidence"],
+        "contract": winner["contract"],
+        "run_dir": str(run_dir.path.resolve()),
+    }
+    config = complete_config(winner["config"])
+    run_dir.write_text(WINNER_FILE, yaml.safe_dump(document(config, campaign.stack.megatron_core, extra), sort_keys=False))
+
+
+def _earlier_trials(path: Path) -> list[tuple[Any, str, float | None]]:
+    earlier = open_run_dir(path)
+    return [
+        (complete_config(e["config"]), e["outcome"], e.get("objective"))
+        for e in earlier.trials.read()
+        if e["launched"] and e["stage"] == "screen"
+    ]

@@ -1,0 +1,189 @@
+"""The driver's account of a campaign: what each trial reported, how it ended, what it cost.
+
+Every step result is appended to ``steps.jsonl`` as it arrives; every trial's end (and every
+proposal rejected before launch) to ``trials.jsonl``. Both are only ever appended to, and a new
+ledger on the same run directory reads them back, so ``autotune resume`` continues from them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Literal
+
+from autotune.engine.rundir import RunDir
+from autotune.engine.trial import read_result
+from autotune.knobs import Config
+from autotune.search.proposer import Rejection
+from autotune.search.screening import ScreenDecision
+from autotune.steady import SteadyEstimate, steady_state
+
+
+Stage = Literal["screen", "promote"]
+
+
+@dataclass
+class LiveTrial:
+    trial_id: str
+    stage: Stage
+    config: Config
+    number: int | None
+    """The Optuna trial number (screening only)."""
+    source: str
+    started: float = field(default_factory=time.monotonic)
+    objective: list[float] = field(default_factory=list)
+    peak_memory_bytes: int = 0
+    contract: dict | None = None
+    evidence: dict = field(default_factory=dict)
+    end: dict | None = None
+    decision: ScreenDecision | None = None
+
+
+def estimate_from(entry: dict[str, Any]) -> SteadyEstimate | None:
+    return SteadyEstimate(**entry["estimate"]) if entry.get("estimate") else None
+
+
+class Ledger:
+    def __init__(self, run_dir: RunDir, *, world_size: int, warmup_steps: int, target_relative_half_width: float,
+                 benchmark_only: bool) -> None:
+        self.run_dir = run_dir
+        self.world_size = world_size
+        self.warmup_steps = warmup_steps
+        self.target = target_relative_half_width
+        self.benchmark_only = benchmark_only
+        self.live: dict[str, LiveTrial] = {}
+        self.entries: list[dict[str, Any]] = list(run_dir.trials.read())
+        self.stopped_by_budget = False
+
+    # -- trials as they run ------------------------------------------------------------------------
+    def start(self, trial_id: str, stage: Stage, config: Config, number: int | None, source: str) -> None:
+        self.live[trial_id] = LiveTrial(trial_id, stage, config, number, source)
+
+    def record(self, trial_id: str, result: dict[str, Any]) -> LiveTrial:
+        """Take one result of a running trial (a step or its end) and append steps to ``steps.jsonl``."""
+        trial = self.live[trial_id]
+        event, payload = read_result(result)
+        if event == "step":
+            record = payload["record"]
+            trial.objective.append(result["objective"])
+            trial.peak_memory_bytes = max(trial.peak_memory_bytes, record["peak_memory_bytes"])
+            self.run_dir.steps.append(
+                {"trial_id": trial_id, "stage": trial.stage, "objective": result["objective"], "record": record}
+            )
+        elif event == "end":
+            trial.end = payload
+        trial.evidence = payload.get("evidence") or trial.evidence
+        trial.contract = payload.get("contract") or trial.contract
+        return trial
+
+    def finish(self, trial_id: str, *, errored: bool) -> dict[str, Any]:
+        """Close a trial: its outcome, estimate and cost, appended to ``trials.jsonl``."""
+        trial = self.live.pop(trial_id)
+        outcome, reason = self._outcome(trial, errored)
+        estimate = (
+            trial.decision.estimate
+            if trial.decision is not None and trial.decision.estimate is not None
+            else steady_state(trial.objective, min_warmup=self.warmup_steps, target_relative_half_width=self.target)
+        )
+        if outcome in ("oom", "invalid", "failed"):
+            estimate = None
+        wall = time.monotonic() - trial.started
+        entry = {
+            "trial_id": trial.trial_id,
+            "stage": trial.stage,
+            "number": trial.number,
+            "source": trial.source,
+            "config": trial.config.to_plain(),
+            "launched": True,
+            "outcome": outcome,
+            "reason": reason,
+            "steps": len(trial.objective),
+            "objective": None if estimate is None else estimate.mean,
+            "estimate": None if estimate is None else estimate.to_dict(),
+            "peak_memory_bytes": trial.peak_memory_bytes or None,
+            "wall_seconds": wall,
+            "device_seconds": wall * self.world_size,
+            "benchmark_only": self.benchmark_only,
+            "evidence": trial.evidence,
+            "contract": None if trial.contract is None else trial.contract | {
+                "steady_window": None if estimate is None else {
+                    "first_step": estimate.warmup_steps, "steps": len(trial.objective) - estimate.warmup_steps,
+                },
+            },
+            "error": None if trial.end is None else trial.end.get("error"),
+            "finished_at": datetime.now(timezone.utc).isoformat(),
+        }
+        self.run_dir.trials.append(entry)
+        self.entries.append(entry)
+        return entry
+
+    def _outcome(self, trial: LiveTrial, errored: bool) -> tuple[str, str]:
+        if errored:
+            return "failed", f"the trial process raised; its error.txt is under {self.run_dir.ray_storage}"
+        if trial.decision is not None and trial.decision.action == "prune":
+            return "pruned", trial.decision.reason
+        if trial.decision is not None and trial.decision.action == "stop":
+            return "ok", f"stopped early: {trial.decision.reason}"
+        if trial.end is not None:
+            error = (trial.end.get("error") or "").strip()
+            return trial.end["outcome"], error.splitlines()[-1][:300] if error else "ran every step"
+        if self.stopped_by_budget:
+            return "pruned", "stopped when the campaign's budget ran out"
+        return "failed", "the trial ended without reporting an outcome"
+
+    def reject(self, rejection: Rejection) -> None:
+        """A proposal that never reached a device (a rule, or a predicted OOM): cost zero, kept on record."""
+        entry = {
+            "trial_id": None,
+            "stage": "screen",
+            "number": rejection.number,
+            "source": "sampler",
+            "config": rejection.config.to_plain(),
+            "launched": False,
+            "outcome": rejection.outcome,
+            "reason": rejection.reason,
+            "device_seconds": 0.0,
+            "finished_at": datetime.now(timezone.utc).isoformat(),
+        }
+        self.run_dir.trials.append(entry)
+        self.entries.append(entry)
+
+    # -- views -------------------------------------------------------------------------------------
+    def launched(self, stage: Stage) -> list[dict[str, Any]]:
+        return [e for e in self.entries if e["launched"] and e["stage"] == stage]
+
+    def best_screen_estimate(self) -> SteadyEstimate | None:
+        """The best finished screening estimate: what a running trial must be able to reach."""
+        finished = [e for e in self.launched("screen") if e["outcome"] == "ok" and e.get("estimate")]
+        if not finished:
+            return None
+        return estimate_from(max(finished, key=lambda e: e["objective"]))
+
+    def best_entry(self) -> dict[str, Any] | None:
+        finished = [e for e in self.launched("screen") if e["outcome"] == "ok" and e.get("objective") is not None]
+        return max(finished, key=lambda e: e["objective"]) if finished else None
+
+    def device_seconds(self) -> float:
+        running = sum(time.monotonic() - t.started for t in self.live.values()) * self.world_size
+        return sum(e["device_seconds"] for e in self.entries) + running
+
+    def counts(self) -> Counter:
+        return Counter(e["outcome"] for e in self.entries if e["stage"] == "screen")
+
+    def spend(self) -> dict[str, Any]:
+        """Device-seconds (GPU-seconds, or CPU-slot-seconds on a CPU box) per stage and per outcome."""
+        by_stage: dict[str, float] = defaultdict(float)
+        by_outcome: dict[str, float] = defaultdict(float)
+        for entry in self.entries:
+            by_stage[entry["stage"]] += entry["device_seconds"]
+            by_outcome[entry["outcome"]] += entry["device_seconds"]
+        return {
+            "unit": "device-seconds (GPU-seconds; CPU-slot-seconds on a CPU box)",
+            "total": sum(by_stage.values()),
+            "by_stage": dict(by_stage),
+            "by_outcome": dict(by_outcome),
+            "trials": {stage: len(self.launched(stage)) for stage in ("screen", "promote")},
+            "rejected_before_launch": sum(not e["launched"] for e in self.entries),
+        }

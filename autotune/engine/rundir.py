@@ -1,0 +1,127 @@
+"""The run directory: the user's record of a campaign, written as things happen and never rewritten.
+
+Layout::
+
+    campaign.yaml    the campaign as it ran (space and data paths made absolute), for resume
+    space.yaml       a copy of the space file, for the record
+    study.journal    the Optuna study (optuna-dashboard opens it)
+    steps.jsonl      every step record of every trial, appended as it arrives
+    trials.jsonl     one line per finished trial or rejected proposal, appended as it ends
+    leaderboard.json the promoted configs with intervals, and the verdict (rewritten at the end)
+    winner.yaml      the winning config by canonical knob names, with its contract
+    spend.json       device-seconds per stage and per outcome
+    ray/             Ray Tune's own experiment folders
+
+Lines are flushed and fsync'ed one by one, so a driver killed with SIGKILL loses at most the
+trials it had in flight.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterator
+
+import yaml
+
+from autotune.campaign import Campaign, load_campaign
+from autotune.errors import AutotuneError
+
+CAMPAIGN_FILE = "campaign.yaml"
+SPACE_FILE = "space.yaml"
+STUDY_FILE = "study.journal"
+STEPS_FILE = "steps.jsonl"
+TRIALS_FILE = "trials.jsonl"
+LEADERBOARD_FILE = "leaderboard.json"
+WINNER_FILE = "winner.yaml"
+SPEND_FILE = "spend.json"
+
+
+class JsonLines:
+    """An append-only JSON Lines file: each line is durable once :meth:`append` returns."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def append(self, entry: dict[str, Any]) -> None:
+        line = json.dumps(entry, default=str, allow_nan=False) + "\n"
+        with self.path.open("a", encoding="utf-8") as handle:
+            handle.write(line)
+            handle.flush()
+            os.fsync(handle.fileno())
+
+    def read(self) -> Iterator[dict[str, Any]]:
+        """Every complete line; a last line cut short by a crash is skipped."""
+        if not self.path.exists():
+            return
+        with self.path.open(encoding="utf-8") as handle:
+            for line in handle:
+                if line.endswith("\n"):
+                    yield json.loads(line)
+
+
+class RunDir:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.steps = JsonLines(path / STEPS_FILE)
+        self.trials = JsonLines(path / TRIALS_FILE)
+
+    @property
+    def study_path(self) -> Path:
+        return self.path / STUDY_FILE
+
+    @property
+    def ray_storage(self) -> Path:
+        return (self.path / "ray").resolve()
+
+    def write_json(self, name: str, data: Any) -> None:
+        """Write a derived view (leaderboard, spend) atomically: readers never see half a file."""
+        temporary = self.path / f".{name}.tmp"
+        temporary.write_text(json.dumps(data, indent=2, default=str, allow_nan=False) + "\n", encoding="utf-8")
+        temporary.replace(self.path / name)
+
+    def write_text(self, name: str, text: str) -> None:
+        temporary = self.path / f".{name}.tmp"
+        temporary.write_text(text, encoding="utf-8")
+        temporary.replace(self.path / name)
+
+    def load_campaign(self) -> Campaign:
+        return load_campaign(self.path / CAMPAIGN_FILE)
+
+
+def create_run_dir(campaign: Campaign, output_dir: Path | None = None) -> RunDir:
+    """A new, timestamped run directory under the campaign's ``output_dir`` holding a
+    self-contained copy of the campaign; fails before any trial if it cannot be written."""
+    root = output_dir or campaign.output_dir
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    path = root / f"{campaign.spec.name}-{stamp}"
+    suffix = 1
+    while path.exists():
+        suffix += 1
+        path = root / f"{campaign.spec.name}-{stamp}-{suffix}"
+    try:
+        path.mkdir(parents=True)
+        shutil.copyfile(campaign.space.path, path / SPACE_FILE)
+        spec = campaign.spec.model_dump(mode="json", exclude_defaults=False)
+        spec["space"] = SPACE_FILE
+        if spec["data"]["path"] is not None:
+            spec["data"]["path"] = str((campaign.path.parent / spec["data"]["path"]).resolve())
+        spec["search"]["warm_start_from"] = [
+            str(Path(earlier).resolve()) for earlier in spec["search"]["warm_start_from"]
+        ]
+        (path / CAMPAIGN_FILE).write_text(
+            f"# {campaign.path.resolve()} as it ran on {stamp}\n" + yaml.safe_dump(spec, sort_keys=False),
+            encoding="utf-8",
+        )
+    except OSError as exc:
+        raise AutotuneError(f"cannot write the run directory {path}: {exc.strerror or exc}") from None
+    return RunDir(path)
+
+
+def open_run_dir(path: Path) -> RunDir:
+    if not (path / CAMPAIGN_FILE).is_file():
+        raise AutotuneError(f"{path} is not a run directory (no {CAMPAIGN_FILE}); pass the folder `autotune run` printed")
+    return RunDir(path)

@@ -1,0 +1,179 @@
+"""One Ray Tune trial: run one burst of one config and report every step to Tune.
+
+The trial reports a ``step`` result per training step (the step record, the objective, the run's
+evidence, and the measurement contract on the first step), then an ``end`` result with the
+outcome when the burst ends by itself. When our scheduler stops the trial, Tune's ``report``
+raises ``SystemExit`` in the trial thread; the reporter turns that into "stop after this step",
+so the burst's ranks end cleanly and the driver already holds everything the trial measured.
+
+Ranks start one of two ways (the campaign's ``hardware.launcher``):
+
+- ``local``: the trainable's local launcher spawns the ranks on the trial's node (gloo on the
+  CPU, NCCL on GPUs); the trial holds all of their CPU/GPU slots.
+- ``ray_train``: a ``TorchTrainer`` worker group, one worker per rank, on any nodes; Ray Train sets
+  up ``torch.distributed`` and Tune receives rank 0's reports through ``TuneReportCallback``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from ray import tune
+
+from autotune.bursts import data_folder
+from autotune.contract import BurstRequest, BurstResult, StepReport
+from autotune.knobs import complete_config
+
+
+TRIAL_DRIVER_CPU = 0.01
+"""What a ``ray_train`` trial's own process holds: it only waits for its worker group."""
+COLLECTIVE_TIMEOUT_S = 300
+
+
+@dataclass(frozen=True)
+class TrialJob:
+    """What every trial of a stage shares; the per-trial part (config, steps) comes from the searcher."""
+
+    trainable: str
+    request: BurstRequest
+    """A template: each trial replaces its config and steps."""
+    launcher: Literal["local", "ray_train"]
+    objective: str
+    use_gpu: bool
+    storage_path: str
+    """Where Ray Train keeps its run folders (``ray_train`` launcher)."""
+
+    data_source: str
+    """The campaign's ``data.source``: built-in photos are built on first use on each node."""
+
+    def request_for(self, params: dict[str, Any]) -> BurstRequest:
+        folder = data_folder(self.data_source, self.request.data.folder, Path.cwd())
+        return replace(self.request, config=complete_config(params["config"]), steps=params["steps"],
+                       data=replace(self.request.data, folder=str(folder)))
+
+    def trial_resources(self) -> dict[str, float]:
+        """What Tune reserves for the trial's own process."""
+        slots = self.request.world_size
+        if self.launcher == "ray_train":
+            return {"CPU": TRIAL_DRIVER_CPU}
+        return {"CPU": 1, "GPU": slots} if self.use_gpu else {"CPU": slots}
+
+    def worker_resources(self) -> dict[str, float]:
+        """One ``ray_train`` worker's share: a GPU, or a CPU slot less the trial driver's share."""
+        if self.use_gpu:
+            return {"CPU": 1, "GPU": 1}
+        return {"CPU": 1 - TRIAL_DRIVER_CPU / self.request.world_size}
+
+
+def objective_value(objective: str, tokens_per_second: float, model_flops: float, step_seconds: float,
+                    world_size: int) -> float:
+    """The per-device figure a campaign maximises, from one step or a steady window."""
+    if objective == "model_tflops_per_s_per_gpu":
+        return model_flops / step_seconds / world_size / 1e12 if step_seconds > 0 else 0.0
+    return tokens_per_second / world_size
+
+
+def step_result(report: StepReport, objective: str, world_size: int) -> dict[str, Any]:
+    """A Tune result for one step. Nested data travels as one JSON text (``payload``): Tune
+    flattens nested result dicts, and the driver wants them back as they were."""
+    record = report.record
+    value = objective_value(objective, record.tokens_per_second, record.model_flops, record.step_seconds, world_size)
+    payload = {"record": asdict(record), "evidence": report.evidence, "contract": report.contract}
+    return {"event": "step", "objective": value, "payload": json.dumps(payload)}
+
+
+def end_result(result: BurstResult) -> dict[str, Any]:
+    payload = {
+        "outcome": result.outcome,
+        "error": None if result.error is None else result.error[-4000:],
+        "evidence": result.evidence,
+        "contract": result.contract,
+    }
+    return {"event": "end", "payload": json.dumps(payload)}
+
+
+def read_result(result: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
+    """The event (``step``, ``end`` or ``None`` for Tune's own results) and its payload."""
+    event = result.get("event")
+    return event, json.loads(result["payload"]) if event in ("step", "end") else {}
+
+
+class _TuneReporter:
+    """Reports each step to Tune; a ``SystemExit`` from Tune (the scheduler stopped the trial)
+    becomes "stop after this step"."""
+
+    def __init__(self, job: TrialJob) -> None:
+        self.job = job
+        self.stopped = False
+
+    def __call__(self, report: StepReport) -> bool:
+        try:
+            tune.report(step_result(report, self.job.objective, self.job.request.world_size))
+        except SystemExit:
+            self.stopped = True
+            return False
+        return True
+
+
+def run_trial(params: dict[str, Any], job: TrialJob) -> None:
+    """The Tune function trainable."""
+    request = job.request_for(params)
+    reporter = _TuneReporter(job)
+    if job.launcher == "local":
+        from trainables import burst_runner
+
+        result = burst_runner(job.trainable)(request, reporter)
+        if not reporter.stopped:
+            tune.report(end_result(result))
+        return
+    _run_on_ray_train(job, request, params)
+
+
+def _run_on_ray_train(job: TrialJob, request: BurstRequest, params: dict[str, Any]) -> None:
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    trainer = TorchTrainer(
+        _worker_loop,
+        train_loop_config={"job": job, "request": request},
+        scaling_config=ScalingConfig(
+            num_workers=request.world_size, use_gpu=job.use_gpu, resources_per_worker=job.worker_resources()
+        ),
+        torch_config=TorchConfig(backend="nccl" if job.use_gpu else "gloo", timeout_s=COLLECTIVE_TIMEOUT_S),
+        run_config=RunConfig(
+            name=f"burst-{tune.get_context().get_trial_id()}",
+            storage_path=job.storage_path,
+            callbacks=[TuneReportCallback()],
+        ),
+    )
+    try:
+        trainer.fit()
+    except Exception as exc:  # noqa: BLE001 - a worker group that fails is a failed trial, with why
+        tune.report(end_result(BurstResult(outcome="failed", error=f"Ray Train: {type(exc).__name__}: {exc}")))
+
+
+def _worker_loop(config: dict[str, Any]) -> None:
+    """One Ray Train worker: run this rank of the burst; rank 0's reports reach Tune.
+
+    Every rank reports every step (Ray Train gathers one report per rank), in lockstep because
+    each step ends in collectives; only rank 0's metrics are forwarded.
+    """
+    import ray.train
+    import ray.train.torch
+
+    from trainables import rank_runner
+
+    job: TrialJob = config["job"]
+    request: BurstRequest = config["request"]
+    rank = ray.train.get_context().get_world_rank()
+
+    def report_step(report: StepReport) -> bool:
+        ray.train.report(step_result(report, job.objective, request.world_size) if rank == 0 else {})
+        return True
+
+    result = rank_runner(job.trainable)(request, ray.train.torch.get_device(), report_step)
+    ray.train.report(end_result(result) if rank == 0 else {})

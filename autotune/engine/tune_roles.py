@@ -1,0 +1,185 @@
+"""Our parts in Ray Tune's roles: a Searcher that asks the Optuna study, a Scheduler that screens
+each step, a Stopper for the campaign budget, and a Callback that keeps the live view.
+
+Tune calls all of them from its controller loop in the driver process, so they share the
+:class:`~autotune.engine.ledger.Ledger` without locks.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime, timezone
+from typing import Any, Callable
+
+from ray.tune import Callback, Stopper
+from ray.tune.experiment import Trial
+from ray.tune.schedulers import FIFOScheduler, TrialScheduler
+from ray.tune.search import Searcher
+
+from autotune.campaign import Campaign
+from autotune.engine.ledger import Ledger
+from autotune.knobs import Config
+from autotune.search.proposer import Proposer
+from autotune.search.screening import screen
+
+log = logging.getLogger(__name__)
+
+
+class _DriverOnly:
+    """Tune pickles its searcher, scheduler, stopper and callbacks into its experiment folder for
+    ``Tuner.restore``, and asks searchers to save their state. A campaign resumes from its run
+    directory instead (the study journal and trials.jsonl), and these objects hold the driver's
+    live state (study, ledger, console), so what Tune keeps is only which role it was."""
+
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+
+    def save(self, checkpoint_path: str) -> None:
+        """Nothing to save: the study journal already holds the searcher's state."""
+
+    def restore(self, checkpoint_path: str) -> None:
+        """Nothing to restore: ``autotune resume`` reopens the study journal."""
+
+
+class Budget:
+    """Max trials, device-hours and deadline of a campaign's screening stage."""
+
+    def __init__(self, campaign: Campaign, ledger: Ledger) -> None:
+        self.spec = campaign.spec.budget
+        self.ledger = ledger
+
+    def trials_left(self) -> int:
+        return max(0, self.spec.max_trials - len(self.ledger.launched("screen")) - len(
+            [t for t in self.ledger.live.values() if t.stage == "screen"]))
+
+    def exhausted(self) -> str | None:
+        """Why no more screening may start (or run), or ``None``."""
+        if self.spec.deadline is not None and datetime.now(timezone.utc) >= self.spec.deadline:
+            return f"the deadline {self.spec.deadline.isoformat()} passed"
+        if self.spec.gpu_hours is not None and self.ledger.device_seconds() >= self.spec.gpu_hours * 3600:
+            return f"{self.spec.gpu_hours} device-hours are spent"
+        return None
+
+    def describe(self) -> str:
+        parts = [f"{self.trials_left()} trials"]
+        if self.spec.gpu_hours is not None:
+            parts.append(f"{max(0.0, self.spec.gpu_hours - self.ledger.device_seconds() / 3600):.2f} device-h")
+        if self.spec.deadline is not None:
+            left = (self.spec.deadline - datetime.now(timezone.utc)).total_seconds()
+            parts.append(f"{max(0, left) / 60:.0f} min")
+        return " · ".join(parts)
+
+
+class StudySearcher(_DriverOnly, Searcher):
+    """Screening: each suggestion is the Optuna study's next runnable config. Proposals the rules
+    or the OOM record reject are told to the study and written down without reaching Ray."""
+
+    def __init__(self, proposer: Proposer, ledger: Ledger, budget: Budget, steps: int) -> None:
+        super().__init__()
+        self.proposer, self.ledger, self.budget, self.steps = proposer, ledger, budget, steps
+        self.proposals: dict[str, Any] = {}
+
+    def suggest(self, trial_id: str) -> dict[str, Any] | str | None:
+        if self.budget.trials_left() == 0 or self.budget.exhausted():
+            return Searcher.FINISHED
+        proposal = self.proposer.propose()
+        for rejection in self.proposer.take_rejections():
+            self.ledger.reject(rejection)
+        if proposal is None:
+            log.warning("the sampler proposes nothing runnable any more: screening ends")
+            return Searcher.FINISHED
+        self.proposals[trial_id] = proposal
+        self.ledger.start(trial_id, "screen", proposal.config, proposal.number, proposal.source)
+        return {"config": proposal.config.to_plain(), "steps": self.steps}
+
+    def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
+        entry = self.ledger.finish(trial_id, errored=error)
+        proposal = self.proposals.pop(trial_id)
+        self.proposer.complete(
+            proposal, entry["outcome"], entry["objective"],
+            peak_memory_bytes=entry["peak_memory_bytes"], cost_seconds=entry["device_seconds"], error=entry["error"],
+        )
+
+
+class ListSearcher(_DriverOnly, Searcher):
+    """Promotion: hands out a fixed list of configs, then is finished."""
+
+    def __init__(self, configs: list[tuple[Config, str]], ledger: Ledger, steps: int) -> None:
+        super().__init__()
+        self.pending, self.ledger, self.steps = list(configs), ledger, steps
+
+    def suggest(self, trial_id: str) -> dict[str, Any] | str:
+        if not self.pending:
+            return Searcher.FINISHED
+        config, source = self.pending.pop(0)
+        self.ledger.start(trial_id, "promote", config, None, source)
+        return {"config": config.to_plain(), "steps": self.steps}
+
+    def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
+        self.ledger.finish(trial_id, errored=error)
+
+
+class ScreeningScheduler(_DriverOnly, FIFOScheduler):
+    """Reads every step result into the ledger and, when screening, decides after each step:
+    stop once the steady interval is tight enough, prune once its upper bound falls below the
+    best finished trial's lower bound by the margin (see :func:`autotune.search.screening.screen`)."""
+
+    def __init__(self, ledger: Ledger, campaign: Campaign, screening: bool) -> None:
+        super().__init__()
+        self.ledger, self.screening = ledger, screening
+        self.stages = campaign.spec.stages
+
+    def on_trial_result(self, tune_controller, trial: Trial, result: dict) -> str:
+        live = self.ledger.record(trial.trial_id, result)
+        if not self.screening or result.get("event") != "step":
+            return TrialScheduler.CONTINUE
+        decision = screen(
+            live.objective,
+            best=self.ledger.best_screen_estimate(),
+            min_warmup=self.stages.warmup_steps,
+            target_relative_half_width=self.stages.target_relative_half_width,
+            prune_margin=self.stages.prune_margin,
+        )
+        if decision.action == "continue":
+            return TrialScheduler.CONTINUE
+        live.decision = decision
+        log.info("trial %s: %s (%s)", trial.trial_id, decision.action, decision.reason)
+        return TrialScheduler.STOP
+
+
+class BudgetStopper(_DriverOnly, Stopper):
+    """Stops the whole screening stage once the deadline passes or the device-hours are spent."""
+
+    def __init__(self, budget: Budget, ledger: Ledger) -> None:
+        self.budget, self.ledger = budget, ledger
+
+    def __call__(self, trial_id: str, result: dict) -> bool:
+        return False
+
+    def stop_all(self) -> bool:
+        if self.budget.exhausted() is None:
+            return False
+        self.ledger.stopped_by_budget = True
+        return True
+
+
+class ViewCallback(_DriverOnly, Callback):
+    """Refreshes the live view whenever a trial starts, reports or ends."""
+
+    def __init__(self, refresh: Callable[[], None]) -> None:
+        self.refresh = refresh
+
+    def on_trial_start(self, iteration: int, trials: list[Trial], trial: Trial, **info) -> None:
+        self.refresh()
+
+    def on_trial_result(self, iteration: int, trials: list[Trial], trial: Trial, result: dict, **info) -> None:
+        self.refresh()
+
+    def on_trial_complete(self, iteration: int, trials: list[Trial], trial: Trial, **info) -> None:
+        self.refresh()
+
+    def on_trial_error(self, iteration: int, trials: list[Trial], trial: Trial, **info) -> None:
+        self.refresh()

@@ -1,0 +1,69 @@
+"""The embedded CPU demo campaign end to end: wall time, trials by outcome, the winner against the
+bring-up config, and the device-seconds it took.
+
+Run:  .venv/bin/python bench/campaign_cpu.py [--out bench/results/campaign_cpu.json]
+Runs ``autotune run`` (the built-in ``cpu_demo`` campaign, a fresh local Ray cluster) into a
+temporary output directory and writes one JSON with the figures and the winner's contract.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+from autotune.engine.rundir import JsonLines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=Path, default=Path("bench/results/campaign_cpu.json"))
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="campaign-cpu-") as output:
+        started = time.monotonic()
+        subprocess.run([sys.executable, "-m", "autotune", "run", "--output-dir", output], check=True,
+                       env={**os.environ, "RAY_ADDRESS": ""})
+        wall = time.monotonic() - started
+        (run_dir,) = Path(output).iterdir()
+        entries = list(JsonLines(run_dir / "trials.jsonl").read())
+        spend = json.loads((run_dir / "spend.json").read_text())
+        board = json.loads((run_dir / "leaderboard.json").read_text())
+    screened = [e for e in entries if e["stage"] == "screen"]
+    bring_up = next((e for e in screened if e["source"] == "warm_start:bring-up"), None)
+    winner = next((e for e in entries if e["stage"] == "promote" and any(
+        row["winner"] and row["trial_id"] == e["trial_id"] for row in board["rows"])), None)
+    report = {
+        "benchmark": "campaign_cpu",
+        "command": "python bench/campaign_cpu.py",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "wall_seconds": wall,
+        "screening": {"launched": sum(e["launched"] for e in screened), "outcomes": Counter(e["outcome"] for e in screened)},
+        "promoted": len([e for e in entries if e["stage"] == "promote"]),
+        "verdict": board["verdict"],
+        "spend": spend,
+        "objective": "useful_tokens_per_s_per_gpu",
+        "bring_up_screen": None if bring_up is None else {"objective": bring_up["objective"], "outcome": bring_up["outcome"]},
+        "winner": None if winner is None else {
+            "config": winner["config"], "objective": winner["objective"], "estimate": winner["estimate"],
+            "contract": winner["contract"],
+        },
+    }
+    if winner is not None and bring_up is not None and bring_up["objective"]:
+        report["winner_over_bring_up"] = winner["objective"] / bring_up["objective"]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    print(f"{wall:.0f} s · screening {dict(report['screening']['outcomes'])} · {report['verdict']}"
+          + (f" · winner {report['winner_over_bring_up']:.2f}x bring-up" if "winner_over_bring_up" in report else ""))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,224 @@
+"""The campaign engine end to end: `autotune run` on a real local Ray cluster with the native
+trainable on two gloo ranks per trial, and the parts that decide (ledger, promotion) on their own."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from autotune.engine.promotion import decide, promotion_candidates
+from autotune.engine.rundir import JsonLines
+from autotune.export import FORMATS, load_document, render
+from autotune.knobs import KNOBS, complete_config, parse_bridge_overrides, parse_megatron_lm_args
+from conftest import OOM_CAP_GIB, OOM_SPACE, campaign_file
+
+ROOT = Path(__file__).resolve().parent.parent
+
+@pytest.fixture(scope="module")
+def cache_env(tmp_path_factory) -> dict[str, str]:
+    return {**os.environ, "AUTOTUNE_CACHE": str(tmp_path_factory.mktemp("cache")), "RAY_ADDRESS": ""}
+
+
+def autotune(*args: str, env: dict[str, str], timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "autotune", *args], capture_output=True, text=True, env=env,
+                          timeout=timeout, cwd=ROOT)
+
+
+def only_run_dir(folder: Path) -> Path:
+    (run_dir,) = (folder / "runs").iterdir()
+    return run_dir
+
+
+def entries(run_dir: Path) -> list[dict]:
+    return list(JsonLines(run_dir / "trials.jsonl").read())
+
+
+@pytest.fixture(scope="module")
+def campaign_run(tmp_path_factory, cache_env) -> tuple[Path, subprocess.CompletedProcess]:
+    folder = tmp_path_factory.mktemp("campaign")
+    result = autotune("run", str(campaign_file(folder, max_trials=4, top_k=2)), env=cache_env, timeout=900)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    return only_run_dir(folder), result
+
+
+def test_campaign_writes_every_output(campaign_run) -> None:
+    run_dir, result = campaign_run
+    for name in ("campaign.yaml", "space.yaml", "study.journal", "steps.jsonl", "trials.jsonl", "leaderboard.json",
+                 "winner.yaml", "spend.json"):
+        assert (run_dir / name).is_file(), name
+    records = entries(run_dir)
+    launched = [e for e in records if e["launched"]]
+    assert len([e for e in launched if e["stage"] == "screen"]) == 4
+    steps = list(JsonLines(run_dir / "steps.jsonl").read())
+    for entry in launched:  # every step each trial reported is on record, with the contract
+        assert len([s for s in steps if s["trial_id"] == entry["trial_id"]]) == entry["steps"]
+        if entry["outcome"] in ("ok", "pruned"):
+            assert entry["contract"]["data"]["realism"] == "real" and entry["contract"]["steady_window"]
+    spend = json.loads((run_dir / "spend.json").read_text())
+    assert spend["total"] == pytest.approx(sum(e["device_seconds"] for e in records))
+    assert "winner" in result.stdout and str(run_dir) in result.stdout
+
+
+def test_ep2_trial_runs_on_two_gloo_ranks_with_evidence(campaign_run) -> None:
+    run_dir, _ = campaign_run
+    (ep2,) = [e for e in entries(run_dir) if e["stage"] == "screen" and e["source"] == "warm_start:fast-ep2"]
+    assert ep2["outcome"] == "ok", ep2["reason"]
+    assert ep2["evidence"]["ep_group_size"] == 2 and ep2["evidence"]["local_experts_per_moe_layer"] == 4
+    assert ep2["contract"]["hardware"]["world_size"] == 2 and ep2["contract"]["shapes"]["expert_parallel"] == 2
+
+
+def test_a_clearly_worse_config_is_pruned_with_its_partial_estimate(campaign_run) -> None:
+    run_dir, _ = campaign_run
+    by_source = {e["source"]: e for e in entries(run_dir) if e["stage"] == "screen"}
+    fast, slow = by_source["warm_start:fast-ep2"], by_source["warm_start:slow"]
+    assert slow["outcome"] == "pruned", slow["reason"]
+    assert slow["steps"] < 12 and slow["estimate"]["ci_high"] < fast["estimate"]["ci_low"]
+    assert "below the best's lower bound" in slow["reason"]
+
+
+def test_promotion_runs_fifty_steps_and_the_verdict_reads_the_intervals(campaign_run) -> None:
+    run_dir, _ = campaign_run
+    promoted = [e for e in entries(run_dir) if e["stage"] == "promote"]
+    assert len(promoted) == 2 and all(e["steps"] == 50 and e["outcome"] == "ok" for e in promoted)
+    assert all(all(e["evidence"]["checks"].values()) for e in promoted)
+    board = json.loads((run_dir / "leaderboard.json").read_text())
+    (winner_row,) = [row for row in board["rows"] if row["winner"]]
+    best = max(promoted, key=lambda e: e["objective"])
+    assert winner_row["config"] == best["config"]
+    other = next(e for e in promoted if e is not best)
+    overlap = other["estimate"]["ci_high"] >= best["estimate"]["ci_low"]
+    assert ("tied" in board["verdict"]) == overlap
+
+
+def test_winner_exports_round_trip_through_the_registry(campaign_run) -> None:
+    run_dir, _ = campaign_run
+    config, version, rest = load_document(run_dir / "winner.yaml")
+    assert rest["contract"]["config"] == config.to_plain() and rest["objective"]["steady_steps"] >= 5
+    for fmt in FORMATS:
+        printed = autotune("export", str(run_dir), "--format", fmt, env=os.environ | {"RAY_ADDRESS": ""}, timeout=120)
+        assert printed.returncode == 0, printed.stderr
+        assert printed.stdout.strip() == render(config, fmt, version, rest).strip()
+    overrides = shlex.split(render(config, "bridge", version))
+    assert parse_bridge_overrides(overrides) == config
+    assert {o.split("=")[0] for o in overrides} <= {KNOBS[name].bridge_key_for(version) for name in KNOBS}
+    assert parse_megatron_lm_args(shlex.split(render(config, "megatron-lm", version))) == config
+
+
+def test_an_oom_is_recorded_once_and_configs_that_need_more_memory_never_launch(tmp_path, cache_env) -> None:
+    path = campaign_file(tmp_path, max_trials=3, space=OOM_SPACE, cpu_memory_cap_gib=OOM_CAP_GIB)
+    result = autotune("run", str(path), env=cache_env)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    assert "no winner" in result.stdout
+    records = entries(only_run_dir(tmp_path))
+    ooms = [e for e in records if e["outcome"] == "oom"]
+    assert len(ooms) == 1 and ooms[0]["config"]["micro_batch_size"] == 1 and "can't allocate memory" in ooms[0]["reason"]
+    predicted = [e for e in records if e["outcome"] == "oom_predicted"]
+    assert predicted and all(not e["launched"] and e["device_seconds"] == 0 for e in predicted)
+    import optuna
+
+    from autotune.search.proposer import journal_storage
+
+    study = optuna.load_study(study_name="engine-test", storage=journal_storage(str(only_run_dir(tmp_path) / "study.journal")))
+    told = [t for t in study.trials if t.user_attrs.get("outcome") == "oom"]
+    assert len(told) == 1 and told[0].constraints == {"feasible": 1.0}
+
+
+def test_resume_after_sigkill_keeps_every_finished_trial(tmp_path, cache_env) -> None:
+    path = campaign_file(tmp_path, max_trials=3)
+    driver = subprocess.Popen([sys.executable, "-m", "autotune", "run", str(path)], cwd=ROOT, env=cache_env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 300
+    run_dir = None
+    while time.monotonic() < deadline:
+        runs = list((tmp_path / "runs").glob("*/trials.jsonl"))
+        if runs and any(e["launched"] for e in JsonLines(runs[0]).read()):
+            run_dir = runs[0].parent
+            break
+        assert driver.poll() is None, "the campaign ended before it could be killed"
+        time.sleep(0.5)
+    assert run_dir is not None, "no trial finished within 300 s"
+    driver.send_signal(signal.SIGKILL)
+    driver.wait()
+    before = (run_dir / "trials.jsonl").read_text()
+    result = autotune("resume", str(run_dir), env=cache_env, timeout=900)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    after = (run_dir / "trials.jsonl").read_text()
+    assert after.startswith(before)  # appended to, never rewritten
+    records = entries(run_dir)
+    screened = [e for e in records if e["launched"] and e["stage"] == "screen"]
+    assert len(screened) == 3  # the budget counts the trials finished before the kill
+    assert len({json.dumps(e["config"], sort_keys=True) for e in screened}) == 3  # none re-run
+    assert (run_dir / "winner.yaml").is_file()
+
+
+# -- the deciding parts on their own ---------------------------------------------------------------
+
+def entry(trial_id: str, stage: str, objective: float | None, ci: float = 1.0, outcome: str = "ok", **config) -> dict:
+    values = complete_config({"micro_batch_size": 1, **config}).to_plain()
+    estimate = None if objective is None else {"ci_low": objective - ci, "ci_high": objective + ci, "window": 20}
+    return {"trial_id": trial_id, "stage": stage, "launched": True, "outcome": outcome, "objective": objective,
+            "estimate": estimate, "config": values, "evidence": {"checks": {"recompute_granularity": True}},
+            "benchmark_only": False, "reason": ""}
+
+
+def test_promotion_takes_the_best_distinct_configs_and_skips_promoted_ones() -> None:
+    records = [entry("a", "screen", 10.0, micro_batch_size=1), entry("b", "screen", 30.0, micro_batch_size=2),
+               entry("c", "screen", 30.5, micro_batch_size=2), entry("d", "screen", 20.0, micro_batch_size=4),
+               entry("e", "screen", None, outcome="oom", micro_batch_size=8)]
+    chosen = promotion_candidates(records, 2)
+    assert [c.micro_batch_size for c, _ in chosen] == [2, 4]
+    records.append(entry("p", "promote", 31.0, micro_batch_size=2))
+    assert [c.micro_batch_size for c, _ in promotion_candidates(records, 2)] == [4]
+
+
+def test_verdict_ties_overlapping_intervals_and_rules_out_contradicted_evidence() -> None:
+    clear = decide([entry("a", "promote", 100.0, micro_batch_size=1), entry("b", "promote", 90.0, micro_batch_size=2)])
+    assert clear.winner["trial_id"] == "a" and not clear.tied and "beyond their intervals" in clear.summary
+    tied = decide([entry("a", "promote", 100.0, ci=6.0), entry("b", "promote", 90.0, ci=6.0, micro_batch_size=2)])
+    assert tied.winner["trial_id"] == "a" and [e["trial_id"] for e in tied.tied] == ["b"]
+    lying = entry("a", "promote", 100.0)
+    lying["evidence"]["checks"]["recompute_granularity"] = False
+    mock = entry("m", "promote", 500.0, micro_batch_size=4) | {"benchmark_only": True}
+    verdict = decide([lying, mock, entry("b", "promote", 90.0, micro_batch_size=2)])
+    assert verdict.winner["trial_id"] == "b"
+    assert {e["trial_id"] for e, _ in verdict.disqualified} == {"a", "m"}
+
+
+def test_ray_train_launcher_runs_an_ep2_burst_on_a_two_worker_group(tmp_path, photo_shards) -> None:
+    """The multi-node launcher: a Tune trial whose burst runs on a TorchTrainer group of two gloo workers."""
+    import ray
+    from ray import tune
+
+    from autotune.contract import BurstRequest, DataSpec
+    from autotune.engine.trial import TrialJob, read_result, run_trial
+    from autotune.model import model_preset
+
+    request = BurstRequest(config=complete_config({}), model=model_preset("cpu_tiny_moe_vlm", {"seq_length": 128}),
+                           data=DataSpec(str(photo_shards)), steps=3, world_size=2, data_workers=0)
+    job = TrialJob(trainable="native", request=request, launcher="ray_train", objective="useful_tokens_per_s_per_gpu",
+                   use_gpu=False, storage_path=str(tmp_path / "train"), data_source="shards")
+    config = complete_config({"expert_model_parallel_size": 2, "micro_batch_size": 2, "moe_token_dispatcher_type": "alltoall"})
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        results = tune.Tuner(
+            tune.with_resources(tune.with_parameters(run_trial, job=job), job.trial_resources()),
+            param_space={"config": config.to_plain(), "steps": 3},
+            run_config=tune.RunConfig(storage_path=str(tmp_path / "tune"), verbose=0),
+        ).fit()
+    finally:
+        ray.shutdown()
+    history = results[0].metrics_dataframe
+    events = [read_result(row) for row in history.to_dict("records")]
+    steps = [payload for event, payload in events if event == "step"]
+    (end,) = [payload for event, payload in events if event == "end"]
+    assert end["outcome"] == "ok", end["error"]
+    assert len(steps) == 3 and steps[0]["contract"]["hardware"]["world_size"] == 2
+    assert end["evidence"]["ep_group_size"] == 2 and end["evidence"]["checks"]["expert_model_parallel_size"]
