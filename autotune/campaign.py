@@ -143,6 +143,15 @@ class SearchSection(_Strict):
     configs that ran out of memory there are avoided here."""
 
 
+class WorkflowSection(_Strict):
+    """The seed's workflow: tune the campaign's space first (FSDP-first), then ``then_space`` (3D)
+    only if the projected headroom - what ``then_space`` declares it can reach, over the first
+    space's promoted best, in model TFLOP/s per GPU - exceeds ``min_headroom``."""
+
+    then_space: str
+    min_headroom: float = Field(default=0.10, ge=0)
+
+
 class CampaignFile(_Strict):
     name: str = Field(min_length=1)
     trainable: str
@@ -154,6 +163,7 @@ class CampaignFile(_Strict):
     budget: BudgetSection
     stages: StagesSection = Field(default_factory=StagesSection)
     search: SearchSection = Field(default_factory=SearchSection)
+    workflow: WorkflowSection | None = None
     objective: Objective = "useful_tokens_per_s_per_gpu"
     output_dir: str
 
@@ -168,6 +178,12 @@ class Campaign:
     model: ModelSpec
     stack: StackCapabilities
     trainable: TrainableSupport
+    next_space: SearchSpace | None = None
+    """The workflow's second space, when the campaign has one."""
+
+    @property
+    def spaces(self) -> tuple[SearchSpace, ...]:
+        return (self.space,) if self.next_space is None else (self.space, self.next_space)
 
     @property
     def rule_context(self) -> RuleContext:
@@ -196,5 +212,17 @@ def load_campaign(path: Path) -> Campaign:
     if not space_path.is_file():
         raise InputFileError(path, "space", f"no space file at {space_path}")
     space = load_space(space_path)
+    next_space = None
+    if spec.workflow is not None:
+        next_path = resolve_space_path(spec.workflow.then_space, path.parent)
+        if not next_path.is_file():
+            raise InputFileError(path, "workflow.then_space", f"no space file at {next_path}")
+        next_space = load_space(next_path)
+        if next_space.reachable is None:
+            raise InputFileError(path, "workflow.then_space", f"{next_path} declares no `reachable` throughput "
+                                 "to project the headroom from")
+        if next_space.name == space.name:
+            raise InputFileError(path, "workflow.then_space", "is the campaign's own space")
     stack = StackCapabilities(accelerator=spec.hardware.accelerator, **spec.stack.model_dump())
-    return Campaign(path=path, spec=spec, space=space, model=model, stack=stack, trainable=trainable)
+    return Campaign(path=path, spec=spec, space=space, model=model, stack=stack, trainable=trainable,
+                    next_space=next_space)

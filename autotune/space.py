@@ -53,10 +53,19 @@ class WarmStartEntry(_Strict):
     config: dict[str, Any]
 
 
+class Reachable(_Strict):
+    """What this family of configs is known to reach, with where that figure comes from: the
+    bound a campaign's workflow projects headroom from before it spends anything on the space."""
+
+    model_tflops_per_s_per_gpu: float = Field(gt=0)
+    source: str = Field(min_length=1)
+
+
 class SpaceFile(_Strict):
     name: str
     description: str = ""
     target: SpaceTarget
+    reachable: Reachable | None = None
     tune: dict[str, list[Any]] = Field(min_length=1)
     fixed: dict[str, Any] = Field(default_factory=dict)
     warm_start: list[WarmStartEntry] = Field(default_factory=list)
@@ -77,6 +86,7 @@ class SearchSpace:
     description: str
     path: Path
     target: SpaceTarget
+    reachable: Reachable | None
     tuned: dict[str, tuple[Value, ...]]
     fixed: dict[str, Value]
     warm_starts: tuple[WarmStart, ...]
@@ -109,6 +119,10 @@ class SearchSpace:
             del partial[name]
 
         yield from expand(0, {})
+
+    def describe(self, config: Config) -> str:
+        """The tuned knobs of ``config`` that are active, as ``name=value``."""
+        return " ".join(f"{name}={KNOBS[name].format(config[name])}" for name in self.tuned if KNOBS[name].is_active(config))
 
     def size(self) -> int:
         return sum(1 for _ in self.configs())
@@ -167,6 +181,7 @@ def load_space(path: Path) -> SearchSpace:
         description=spec.description,
         path=path,
         target=spec.target,
+        reachable=spec.reachable,
         tuned=tuned,
         fixed=fixed,
         warm_starts=(),

@@ -78,22 +78,43 @@ larger MBS needs at least its memory and is rejected before launch."""
 OOM_CAP_GIB = 8 / 1024
 
 
-def campaign_file(folder: Path, *, max_trials: int, top_k: int = 1, space: dict = SPACE, **hardware) -> Path:
+TEST_MODEL = {
+    "seq_length": 64, "hidden_size": 128, "ffn_hidden_size": 256, "moe_ffn_hidden_size": 128,
+    "moe_shared_expert_intermediate_size": 128, "num_moe_experts": 4,
+    "vision": {"hidden_size": 96, "ffn_hidden_size": 384, "num_layers": 2}, "images": {"max_pixels": 112 * 112},
+}
+"""A smaller cpu_tiny_moe_vlm: a promotion's 50 steps take about half a minute on two cores."""
+
+NEXT_SPACE = SPACE | {
+    "name": "engine_test_next",
+    "reachable": {"model_tflops_per_s_per_gpu": 1e6, "source": "test: far above anything a CPU reaches"},
+    "tune": {"micro_batch_size": [2]},
+    "fixed": {"moe_token_dispatcher_type": "alltoall", "freeze_vision_model": True, "recompute_granularity": "none"},
+}
+"""A second space for the workflow: its declared reach guarantees the projected headroom is large."""
+
+
+def campaign_file(folder: Path, *, max_trials: int, top_k: int = 1, space: dict = SPACE, then_space: dict | None = None,
+                  **hardware) -> Path:
     (folder / "space.yaml").write_text(yaml.safe_dump(space))
     campaign = {
         "name": "engine-test",
         "trainable": "native",
         "space": str(folder / "space.yaml"),
-        "model": {"preset": "cpu_tiny_moe_vlm", "overrides": {"seq_length": 128, "images": {"max_pixels": 224 * 224}}},
+        "model": {"preset": "cpu_tiny_moe_vlm", "overrides": TEST_MODEL},
         "hardware": {"accelerator": "cpu", "gpus_per_node": 2, "gpus_per_trial": 2, "data_workers": 0, **hardware},
         "budget": {"max_trials": max_trials},
         # Prune only what is clearly worse (25 % below the best's lower bound), so near-best
         # configs reach promotion and the verdict has intervals to compare.
         "stages": {"warmup_steps": 1, "screen_steps": 12, "promote_top_k": top_k, "promote_steps": 50,
                    "target_relative_half_width": 0.01, "prune_margin": 0.25},
-        "search": {"seed": 0, "startup_trials": 2},
+        # Seeded random proposals for the first 4 trials (warm starts included): the same configs every run.
+        "search": {"seed": 0, "startup_trials": 4},
         "output_dir": str(folder / "runs"),
     }
+    if then_space is not None:
+        (folder / "then.yaml").write_text(yaml.safe_dump(then_space))
+        campaign["workflow"] = {"then_space": "then.yaml", "min_headroom": 0.1}
     path = folder / "campaign.yaml"
     path.write_text(yaml.safe_dump(campaign))
     return path

@@ -58,6 +58,8 @@ BAD_CAMPAIGNS = [
     (_with("stages.promote_steps", 20), "stages.promote_steps", "greater than or equal to 50"),
     (_with("stages.screen_steps", 6), "stages", r"screen_steps \(6\) must exceed warmup_steps \(2\) by at least 5"),
     (_with("budget.max_trials", _DELETE), "budget.max_trials", "Field required"),
+    (_with("workflow", {"then_space": "h200_single"}), "workflow.then_space", "declares no `reachable` throughput"),
+    (_with("workflow", {"then_space": "parallel_3d", "min_headroom": -1}), "workflow.min_headroom", "greater than or equal to 0"),
     (_with("search.sampler", "grid"), "search.sampler", "Input should be 'tpe' or 'random'"),
     (_with("stages.prune_margin", 1.5), "stages.prune_margin", "less than 1"),
     (_with("hardware.launcher", "slurm"), "hardware.launcher", "Input should be 'auto', 'local' or 'ray_train'"),

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import yaml
+
 
 def autotune(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
@@ -24,7 +26,9 @@ def test_validate_builtin_demo() -> None:
 
 def test_validate_bad_file_exits_2_with_one_clear_line(tmp_path: Path) -> None:
     path = tmp_path / "c.yaml"
-    path.write_text(Path("campaigns/cpu_demo.yaml").read_text().replace("max_trials: 12", "max_trials: 0"))
+    campaign = yaml.safe_load(Path("campaigns/cpu_demo.yaml").read_text())
+    campaign["budget"]["max_trials"] = 0
+    path.write_text(yaml.safe_dump(campaign))
     result = autotune("validate", str(path))
     assert result.returncode == 2
     assert f"{path}: budget.max_trials: Input should be greater than or equal to 1 (got 0)" in result.stderr

@@ -95,7 +95,8 @@ def test_an_oom_is_told_once_and_configs_needing_more_memory_are_skipped() -> No
         proposer.complete(proposal, "ok", fake_value(config))
     assert oom_config is not None
     trials = proposer.study.get_trials(deepcopy=False)
-    ooms = [t for t in trials if t.user_attrs.get("outcome") == "oom"]
+    # Proposed again, the OOM config is answered from its first result (``duplicate_of``), never rerun.
+    ooms = [t for t in trials if t.user_attrs.get("outcome") == "oom" and "duplicate_of" not in t.user_attrs]
     assert len(ooms) == 1 and ooms[0].constraints == {"feasible": 1.0}
     assert ooms[0].user_attrs["peak_memory_bytes"] == 30 * 2**30
     assert any(t.user_attrs.get("outcome") == "oom_predicted" for t in trials)
@@ -141,3 +142,41 @@ def test_screening_stops_converged_trials_and_prunes_clearly_worse_ones() -> Non
     noisy = [1000 * (1 + rng.gauss(0, 0.2)) for _ in range(8)]
     assert screen(noisy, best=best, min_warmup=2).action == "continue"
     assert screen(worse[:3], best=best, min_warmup=2).action == "continue"  # too early to judge
+
+
+def test_an_exhausted_space_ends_the_search_and_each_rejection_is_recorded_once(tmp_path: Path) -> None:
+    path = tmp_path / "tiny.yaml"
+    path.write_text(Path("search_spaces/cpu_demo.yaml").read_text().split("tune:")[0] + (
+        "tune:\n  micro_batch_size: [1, 2, 4]\n"
+        "fixed: {moe_token_dispatcher_type: alltoall, recompute_granularity: none}\n"))
+    space = load_space(path)
+    proposer = Proposer(space, target_context(space), None, "t", sampler="tpe", seed=0, startup_trials=1)
+    first = proposer.propose()
+    proposer.complete(first, "oom", None, peak_memory_bytes=2**30)
+    ran = [first.config.micro_batch_size]
+    while (proposal := proposer.propose()) is not None:
+        ran.append(proposal.config.micro_batch_size)
+        proposer.complete(proposal, "oom", None)
+    rejected = proposer.take_rejections()
+    assert len(ran) + len(rejected) == 3  # every config settled exactly once, then no more proposals
+    assert len({r.config for r in rejected}) == len(rejected)
+    assert all(r.outcome == "oom_predicted" and "micro_batch_size=" in r.reason for r in rejected)
+    assert len(proposer.study.trials) < 50  # it stopped asking once the space was exhausted
+
+
+def test_warm_start_from_an_earlier_campaign_runs_its_best_first_and_avoids_its_ooms() -> None:
+    context = target_context(CPU_DEMO)
+    accepted = [c for c in CPU_DEMO.configs() if not violations(c, context)]
+    ok = [c for c in accepted if c.micro_batch_size in (1, 2)][:6]
+    oom = next(c for c in accepted if c.micro_batch_size == 4 and c.recompute_granularity == "none")
+    earlier = [(config, "ok", 100.0 + index) for index, config in enumerate(ok)] + [(oom, "oom", None)]
+    proposer = Proposer(CPU_DEMO, context, None, "t", sampler="random", seed=0)
+    assert proposer.warm_start_from(earlier, best=2) == 2
+    first, second = proposer.propose(), proposer.propose()
+    assert [first.config, second.config] == [ok[-1], ok[-2]]  # best earlier values first
+    assert first.source == "earlier_campaign"
+    assert proposer.out_of_memory == [oom]  # what needs at least its memory is rejected before launch
+    for _ in range(30):
+        proposal = proposer.propose()
+        assert not needs_at_least_as_much_memory(proposal.config, oom)
+        proposer.complete(proposal, "ok", 1.0)

@@ -11,7 +11,7 @@ from rich.table import Table
 from autotune.campaign import Campaign, builtin_campaign_path, load_campaign
 from autotune.cli import console
 from autotune.engine.driver import CampaignOutcome, connect, resume_campaign, run_campaign
-from autotune.engine.live import LiveView, short
+from autotune.engine.live import LiveView
 from autotune.engine.rundir import WINNER_FILE, create_run_dir, open_run_dir
 from autotune.errors import InputFileError
 from autotune.export import render
@@ -54,11 +54,16 @@ def resume(
 
 
 def _report(campaign: Campaign, outcome: CampaignOutcome) -> None:
+    spaces = {space.name: space for space in campaign.spaces}
+
+    def knobs(entry: dict) -> str:
+        return escape(spaces[entry["space"]].describe(complete_config(entry["config"])))
+
     entries = outcome.run_dir.trials.read()
     promoted = sorted((e for e in entries if e["launched"] and e["stage"] == "promote"),
                       key=lambda e: -(e.get("objective") or 0.0))
     table = Table(title=f"promotion ({campaign.spec.stages.promote_steps} steps) · {campaign.spec.objective}")
-    for column in ("", "mean", "95% interval", "steady steps", "config"):
+    for column in ("", "space", "mean", "95% interval", "steady steps", "config"):
         table.add_column(column)
     winner_id = outcome.verdict.winner["trial_id"] if outcome.verdict.winner else None
     for entry in promoted:
@@ -66,10 +71,11 @@ def _report(campaign: Campaign, outcome: CampaignOutcome) -> None:
         mark = "winner" if entry["trial_id"] == winner_id else entry["outcome"]
         table.add_row(
             mark,
+            entry["space"],
             f"{entry['objective']:,.1f}" if entry.get("objective") is not None else "-",
             f"{estimate['ci_low']:,.1f}–{estimate['ci_high']:,.1f}" if estimate else "-",
             str(estimate.get("window", "-")),
-            escape(short(complete_config(entry["config"]), campaign.space)),
+            knobs(entry),
         )
     console.print(table)
     spend = outcome.spend
@@ -79,12 +85,12 @@ def _report(campaign: Campaign, outcome: CampaignOutcome) -> None:
         + " · ".join(f"{name} {seconds:,.0f} s" for name, seconds in sorted(spend["by_outcome"].items()))
     )
     for entry, why in outcome.verdict.disqualified:
-        console.print(f"[yellow]ruled out[/] {escape(short(complete_config(entry['config']), campaign.space))}: {escape(why)}")
+        console.print(f"[yellow]ruled out[/] {knobs(entry)}: {escape(why)}")
     if outcome.verdict.winner is None:
         console.print(f"[bold red]no winner:[/] {escape(outcome.verdict.summary)}")
     else:
         config = complete_config(outcome.verdict.winner["config"])
-        console.print(f"[bold green]winner[/] ({escape(outcome.verdict.summary)}): {escape(short(config, campaign.space))}")
+        console.print(f"[bold green]winner[/] ({escape(outcome.verdict.summary)}): {knobs(outcome.verdict.winner)}")
         console.print("Megatron-Bridge overrides:", highlight=False)
         console.print(escape(render(config, "bridge", campaign.stack.megatron_core)), highlight=False, soft_wrap=True)
         console.print(

@@ -57,5 +57,16 @@ def validate(
         + f" · screen {spec.stages.screen_steps} steps (warm-up {spec.stages.warmup_steps}), "
         f"promote top {spec.stages.promote_top_k} for {spec.stages.promote_steps} steps"
     )
+    if loaded.next_space is not None:
+        nxt, reachable = loaded.next_space, loaded.next_space.reachable
+        then = survey_space(nxt, context)
+        console.print(
+            f"workflow: then space {nxt.name} ({len(then.accepted)} of {then.total} configs accepted) if its reachable "
+            f"{reachable.model_tflops_per_s_per_gpu:g} model TFLOP/s per GPU ({escape(reachable.source)}) beats this "
+            f"space's promoted best by more than {100 * spec.workflow.min_headroom:.0f}%",
+            highlight=False,
+        )
+        if not then.accepted:
+            raise InputFileError(path, "workflow.then_space", f"the rules reject all {then.total} configs of {nxt.name}")
     console.print(f"output: {loaded.output_dir}")
     console.print("[green]valid[/]")

@@ -22,13 +22,14 @@ from autotune.campaign import Campaign
 from autotune.contract import BurstRequest, DataSpec
 from autotune.engine.ledger import Ledger, Stage
 from autotune.engine.live import LiveView
-from autotune.engine.promotion import Verdict, decide, leaderboard, promotion_candidates
+from autotune.engine.promotion import Verdict, decide, leaderboard, projected_headroom, promotion_candidates
 from autotune.engine.rundir import LEADERBOARD_FILE, SPEND_FILE, WINNER_FILE, RunDir, open_run_dir
 from autotune.engine.trial import TrialJob, run_trial
 from autotune.errors import AutotuneError
 from autotune.export import document
 from autotune.knobs import complete_config
 from autotune.search.proposer import Proposer, journal_storage
+from autotune.space import SearchSpace
 
 
 GIB = 2**30
@@ -54,47 +55,29 @@ def connect(address: str | None) -> None:
 
 def run_campaign(campaign: Campaign, run_dir: RunDir, view: LiveView) -> CampaignOutcome:
     spec = campaign.spec
-    benchmark_only = spec.data.realism == "mock"
     ledger = Ledger(
         run_dir,
         world_size=spec.hardware.gpus_per_trial,
         warmup_steps=spec.stages.warmup_steps,
         target_relative_half_width=spec.stages.target_relative_half_width,
-        benchmark_only=benchmark_only,
+        benchmark_only=spec.data.realism == "mock",
     )
     job = _trial_job(campaign, run_dir)
-    proposer = Proposer(
-        campaign.space, campaign.rule_context, journal_storage(str(run_dir.study_path)), spec.name,
-        sampler=spec.search.sampler, seed=spec.search.seed, startup_trials=spec.search.startup_trials,
-    )
-    proposer.enqueue_warm_starts()
-    for earlier in spec.search.warm_start_from:
-        queued = proposer.warm_start_from(_earlier_trials(Path(earlier)), best=max(1, spec.search.startup_trials))
-        view.note(f"warm start from {earlier}: {queued} config(s) queued")
-
-    from autotune.engine.tune_roles import Budget, BudgetStopper, ListSearcher, ScreeningScheduler, StudySearcher
-
-    budget = Budget(campaign, ledger)
-    view.attach(ledger, budget)
-    if budget.trials_left() and not budget.exhausted():
-        searcher = StudySearcher(proposer, ledger, budget, spec.stages.screen_steps)
-        _run_stage(
-            "screen", job, run_dir, view, campaign,
-            searcher=searcher, scheduler=ScreeningScheduler(ledger, campaign, screening=True),
-            samples=budget.trials_left(), stopper=BudgetStopper(budget, ledger),
-        )
-        if (why := budget.exhausted()) is not None:
-            view.note(f"screening ended early: {why}")
-
-    candidates = promotion_candidates(ledger.entries, spec.stages.promote_top_k)
-    if candidates:
-        view.note(f"promoting {len(candidates)} config(s) for {spec.stages.promote_steps} steps")
-        _run_stage(
-            "promote", job, run_dir, view, campaign,
-            searcher=ListSearcher(candidates, ledger, spec.stages.promote_steps),
-            scheduler=ScreeningScheduler(ledger, campaign, screening=False),
-            samples=len(candidates), stopper=None,
-        )
+    _tune_space(campaign, campaign.space, campaign.spec.name, run_dir, ledger, job, view)
+    if campaign.next_space is not None:
+        headroom = projected_headroom(ledger.launched("promote", campaign.space.name),
+                                      campaign.next_space.reachable.model_tflops_per_s_per_gpu)
+        threshold = spec.workflow.min_headroom
+        if headroom is None:
+            view.note(f"{campaign.next_space.name} skipped: {campaign.space.name} promoted nothing to project from")
+        elif headroom <= threshold:
+            view.note(f"{campaign.next_space.name} skipped: projected headroom {100 * headroom:+.1f}% "
+                      f"is within the {100 * threshold:.0f}% threshold")
+        else:
+            view.note(f"{campaign.next_space.name}: projected headroom {100 * headroom:+.1f}% "
+                      f"(over {100 * threshold:.0f}%), tuning it")
+            _tune_space(campaign, campaign.next_space, f"{spec.name}:{campaign.next_space.name}", run_dir, ledger,
+                        job, view)
     verdict = decide(ledger.launched("promote"))
     run_dir.write_json(LEADERBOARD_FILE, leaderboard(ledger.entries, verdict))
     spend = ledger.spend()
@@ -102,6 +85,43 @@ def run_campaign(campaign: Campaign, run_dir: RunDir, view: LiveView) -> Campaig
     if verdict.winner is not None:
         _write_winner(run_dir, campaign, verdict)
     return CampaignOutcome(run_dir, verdict, spend)
+
+
+def _tune_space(campaign: Campaign, space: SearchSpace, study_name: str, run_dir: RunDir, ledger: Ledger,
+                job: TrialJob, view: LiveView) -> None:
+    """Screen ``space`` within the budget, then promote its best configs."""
+    from autotune.engine.tune_roles import Budget, BudgetStopper, ListSearcher, ScreeningScheduler, StudySearcher
+
+    spec = campaign.spec
+    proposer = Proposer(
+        space, campaign.rule_context, journal_storage(str(run_dir.study_path)), study_name,
+        sampler=spec.search.sampler, seed=spec.search.seed, startup_trials=spec.search.startup_trials,
+    )
+    proposer.enqueue_warm_starts()
+    for earlier in spec.search.warm_start_from:
+        queued = proposer.warm_start_from(_earlier_trials(Path(earlier)), best=max(1, spec.search.startup_trials))
+        view.note(f"warm start from {earlier}: {queued} config(s) queued")
+
+    budget = Budget(campaign, ledger, space.name)
+    view.attach(ledger, budget, space)
+    if budget.trials_left() and not budget.exhausted():
+        _run_stage(
+            "screen", job, run_dir, view,
+            searcher=StudySearcher(proposer, ledger, budget, spec.stages.screen_steps),
+            scheduler=ScreeningScheduler(ledger, campaign, screening=True),
+            samples=budget.trials_left(), stopper=BudgetStopper(budget, ledger),
+        )
+        if (why := budget.exhausted()) is not None:
+            view.note(f"screening ended early: {why}")
+    candidates = promotion_candidates(ledger.entries, spec.stages.promote_top_k, space.name)
+    if candidates:
+        view.note(f"promoting {len(candidates)} config(s) of {space.name} for {spec.stages.promote_steps} steps")
+        _run_stage(
+            "promote", job, run_dir, view,
+            searcher=ListSearcher(candidates, ledger, space.name, spec.stages.promote_steps),
+            scheduler=ScreeningScheduler(ledger, campaign, screening=False),
+            samples=len(candidates), stopper=None,
+        )
 
 
 def resume_campaign(path: Path, view: LiveView) -> CampaignOutcome:
@@ -114,7 +134,7 @@ def _trial_job(campaign: Campaign, run_dir: RunDir) -> TrialJob:
     hardware = spec.hardware
     folder = data_folder(spec.data.source, spec.data.path, campaign.path.parent)
     template = BurstRequest(
-        config=complete_config({}, defaults=campaign.space.fixed),
+        config=complete_config({}, defaults=campaign.space.fixed),  # each trial brings its own
         model=campaign.model,
         data=DataSpec(str(folder.resolve()), spec.data.realism),
         steps=spec.stages.screen_steps,
@@ -156,7 +176,7 @@ def _concurrency(job: TrialJob) -> int:
     return max(1, fits(ray.available_resources()))
 
 
-def _run_stage(stage: Stage, job: TrialJob, run_dir: RunDir, view: LiveView, campaign: Campaign, *,
+def _run_stage(stage: Stage, job: TrialJob, run_dir: RunDir, view: LiveView, *,
                searcher, scheduler, samples: int, stopper) -> None:
     from autotune.engine.tune_roles import ViewCallback
 

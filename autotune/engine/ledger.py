@@ -28,12 +28,15 @@ Stage = Literal["screen", "promote"]
 class LiveTrial:
     trial_id: str
     stage: Stage
+    space: str
     config: Config
     number: int | None
     """The Optuna trial number (screening only)."""
     source: str
     started: float = field(default_factory=time.monotonic)
     objective: list[float] = field(default_factory=list)
+    model_flops: list[float] = field(default_factory=list)
+    step_seconds: list[float] = field(default_factory=list)
     peak_memory_bytes: int = 0
     contract: dict | None = None
     evidence: dict = field(default_factory=dict)
@@ -58,8 +61,8 @@ class Ledger:
         self.stopped_by_budget = False
 
     # -- trials as they run ------------------------------------------------------------------------
-    def start(self, trial_id: str, stage: Stage, config: Config, number: int | None, source: str) -> None:
-        self.live[trial_id] = LiveTrial(trial_id, stage, config, number, source)
+    def start(self, trial_id: str, stage: Stage, space: str, config: Config, number: int | None, source: str) -> None:
+        self.live[trial_id] = LiveTrial(trial_id, stage, space, config, number, source)
 
     def record(self, trial_id: str, result: dict[str, Any]) -> LiveTrial:
         """Take one result of a running trial (a step or its end) and append steps to ``steps.jsonl``."""
@@ -68,9 +71,12 @@ class Ledger:
         if event == "step":
             record = payload["record"]
             trial.objective.append(result["objective"])
+            trial.model_flops.append(record["model_flops"])
+            trial.step_seconds.append(record["step_seconds"])
             trial.peak_memory_bytes = max(trial.peak_memory_bytes, record["peak_memory_bytes"])
             self.run_dir.steps.append(
-                {"trial_id": trial_id, "stage": trial.stage, "objective": result["objective"], "record": record}
+                {"trial_id": trial_id, "stage": trial.stage, "space": trial.space, "objective": result["objective"],
+                 "record": record}
             )
         elif event == "end":
             trial.end = payload
@@ -90,9 +96,12 @@ class Ledger:
         if outcome in ("oom", "invalid", "failed"):
             estimate = None
         wall = time.monotonic() - trial.started
+        window = slice(estimate.warmup_steps, None) if estimate is not None else slice(0, 0)
+        seconds = sum(trial.step_seconds[window])
         entry = {
             "trial_id": trial.trial_id,
             "stage": trial.stage,
+            "space": trial.space,
             "number": trial.number,
             "source": trial.source,
             "config": trial.config.to_plain(),
@@ -102,6 +111,8 @@ class Ledger:
             "steps": len(trial.objective),
             "objective": None if estimate is None else estimate.mean,
             "estimate": None if estimate is None else estimate.to_dict(),
+            "model_tflops_per_s_per_gpu": sum(trial.model_flops[window]) / seconds / self.world_size / 1e12
+            if seconds > 0 else None,
             "peak_memory_bytes": trial.peak_memory_bytes or None,
             "wall_seconds": wall,
             "device_seconds": wall * self.world_size,
@@ -133,11 +144,12 @@ class Ledger:
             return "pruned", "stopped when the campaign's budget ran out"
         return "failed", "the trial ended without reporting an outcome"
 
-    def reject(self, rejection: Rejection) -> None:
+    def reject(self, rejection: Rejection, space: str) -> None:
         """A proposal that never reached a device (a rule, or a predicted OOM): cost zero, kept on record."""
         entry = {
             "trial_id": None,
             "stage": "screen",
+            "space": space,
             "number": rejection.number,
             "source": "sampler",
             "config": rejection.config.to_plain(),
@@ -151,8 +163,8 @@ class Ledger:
         self.entries.append(entry)
 
     # -- views -------------------------------------------------------------------------------------
-    def launched(self, stage: Stage) -> list[dict[str, Any]]:
-        return [e for e in self.entries if e["launched"] and e["stage"] == stage]
+    def launched(self, stage: Stage, space: str | None = None) -> list[dict[str, Any]]:
+        return [e for e in self.entries if e["launched"] and e["stage"] == stage and space in (None, e["space"])]
 
     def best_screen_estimate(self) -> SteadyEstimate | None:
         """The best finished screening estimate: what a running trial must be able to reach."""

@@ -15,7 +15,7 @@ from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
 
-from autotune.knobs import KNOBS, Config, complete_config
+from autotune.knobs import complete_config
 from autotune.space import SearchSpace
 
 if TYPE_CHECKING:
@@ -25,15 +25,9 @@ if TYPE_CHECKING:
 REFRESH_SECONDS = 0.5
 
 
-def short(config: Config, space: SearchSpace) -> str:
-    """The tuned knobs of ``config`` that are active, as ``name=value``."""
-    return " ".join(
-        f"{name}={KNOBS[name].format(config[name])}" for name in space.tuned if KNOBS[name].is_active(config)
-    )
-
-
 class LiveView:
     def __init__(self, console: Console, space: SearchSpace, objective: str) -> None:
+        """``space`` names the knobs shown until a stage attaches its own."""
         self.console, self.space, self.objective = console, space, objective
         self.ledger: Ledger | None = None
         self.budget: Budget | None = None
@@ -51,9 +45,11 @@ class LiveView:
         if self.live is not None:
             self.live.stop()
 
-    def attach(self, ledger: "Ledger", budget: "Budget") -> None:
-        self.ledger, self.budget = ledger, budget
-        self.shown = len(ledger.entries)  # entries from before a resume were shown back then
+    def attach(self, ledger: "Ledger", budget: "Budget", space: SearchSpace) -> None:
+        """Show ``space``'s stage from now on (entries from before a resume were shown back then)."""
+        if self.ledger is None:
+            self.shown = len(ledger.entries)
+        self.ledger, self.budget, self.space = ledger, budget, space
 
     def stage(self, name: str) -> None:
         self.current_stage = name
@@ -79,12 +75,12 @@ class LiveView:
         value = f"{entry['objective']:,.1f}" if entry.get("objective") is not None else "-"
         if not entry["launched"]:
             return (f"  [dim]{entry['stage']:<7}[/] [{colour}]{entry['outcome']:<13}[/] not launched · "
-                    f"{escape(short(config, self.space))} · {escape(entry['reason'][:160])}")
+                    f"{escape(self.space.describe(config))} · {escape(entry['reason'][:160])}")
         estimate = entry.get("estimate") or {}
         spread = f" ±{100 * estimate['relative_half_width']:.1f}%" if estimate else ""
         return (f"  [dim]{entry['stage']:<7}[/] [{colour}]{entry['outcome']:<13}[/] {value}{spread} "
                 f"{self.objective} · {entry['steps']} steps · {entry['wall_seconds']:.0f} s · "
-                f"{escape(short(config, self.space))} · [dim]{escape((entry.get('reason') or '')[:120])}[/]")
+                f"{escape(self.space.describe(config))} · [dim]{escape((entry.get('reason') or '')[:120])}[/]")
 
     def table(self) -> Group:
         ledger, budget = self.ledger, self.budget
@@ -93,7 +89,7 @@ class LiveView:
             running.add_column(column)
         for trial in ledger.live.values():
             last = f"{trial.objective[-1]:,.1f}" if trial.objective else "starting"
-            running.add_row(trial.trial_id, str(len(trial.objective)), last, escape(short(trial.config, self.space)))
+            running.add_row(trial.trial_id, str(len(trial.objective)), last, escape(self.space.describe(trial.config)))
         counts = ledger.counts()
         best = ledger.best_entry()
         summary = Table.grid(padding=(0, 2))

@@ -13,8 +13,9 @@ from typing import Any
 from autotune.knobs import Config, complete_config
 
 
-def promotion_candidates(entries: list[dict[str, Any]], top_k: int) -> list[tuple[Config, str]]:
-    """The ``top_k`` best distinct screened configs (ok outcome), best first, not yet promoted."""
+def promotion_candidates(entries: list[dict[str, Any]], top_k: int, space: str) -> list[tuple[Config, str]]:
+    """The ``top_k`` best distinct configs screened in ``space`` (ok outcome), best first, not yet promoted."""
+    entries = [e for e in entries if e["space"] == space]
     promoted = {complete_config(e["config"]) for e in entries if e["launched"] and e["stage"] == "promote"}
     screened = sorted(
         (e for e in entries if e["launched"] and e["stage"] == "screen" and e["outcome"] == "ok"
@@ -33,6 +34,14 @@ def promotion_candidates(entries: list[dict[str, Any]], top_k: int) -> list[tupl
         if config not in promoted:
             chosen.append((config, f"screen:{entry['trial_id']}"))
     return chosen
+
+
+def projected_headroom(promoted: list[dict[str, Any]], reachable_tflops_per_gpu: float) -> float | None:
+    """What the next space could gain over the best promoted config of this one, in model TFLOP/s
+    per GPU (``reachable / best - 1``); ``None`` when nothing was promoted with a FLOP rate."""
+    rates = [e["model_tflops_per_s_per_gpu"] for e in promoted
+             if e["outcome"] == "ok" and e.get("model_tflops_per_s_per_gpu")]
+    return reachable_tflops_per_gpu / max(rates) - 1 if rates else None
 
 
 def failed_checks(entry: dict[str, Any]) -> list[str]:
@@ -99,6 +108,7 @@ def leaderboard(entries: list[dict[str, Any]], verdict: Verdict) -> dict[str, An
             "objective": entry.get("objective"),
             "ci_low": estimate.get("ci_low"),
             "ci_high": estimate.get("ci_high"),
+            "space": entry["space"],
             "steps": entry.get("steps"),
             "steady_steps": estimate.get("window"),
             "screen_objective": screened.get(complete_config(entry["config"])),

@@ -3,7 +3,7 @@
 Layout::
 
     campaign.yaml    the campaign as it ran (space and data paths made absolute), for resume
-    space.yaml       a copy of the space file, for the record
+    space.yaml       a copy of the space file (then_space.yaml: the workflow's second space)
     study.journal    the Optuna study (optuna-dashboard opens it)
     steps.jsonl      every step record of every trial, appended as it arrives
     trials.jsonl     one line per finished trial or rejected proposal, appended as it ends
@@ -32,6 +32,7 @@ from autotune.errors import AutotuneError
 
 CAMPAIGN_FILE = "campaign.yaml"
 SPACE_FILE = "space.yaml"
+THEN_SPACE_FILE = "then_space.yaml"
 STUDY_FILE = "study.journal"
 STEPS_FILE = "steps.jsonl"
 TRIALS_FILE = "trials.jsonl"
@@ -107,6 +108,9 @@ def create_run_dir(campaign: Campaign, output_dir: Path | None = None) -> RunDir
         shutil.copyfile(campaign.space.path, path / SPACE_FILE)
         spec = campaign.spec.model_dump(mode="json", exclude_defaults=False)
         spec["space"] = SPACE_FILE
+        if campaign.next_space is not None:
+            shutil.copyfile(campaign.next_space.path, path / THEN_SPACE_FILE)
+            spec["workflow"]["then_space"] = THEN_SPACE_FILE
         if spec["data"]["path"] is not None:
             spec["data"]["path"] = str((campaign.path.parent / spec["data"]["path"]).resolve())
         spec["search"]["warm_start_from"] = [

@@ -45,15 +45,16 @@ class _DriverOnly:
 
 
 class Budget:
-    """Max trials, device-hours and deadline of a campaign's screening stage."""
+    """A space's screening budget: ``max_trials`` for the space, device-hours and deadline for the
+    whole campaign."""
 
-    def __init__(self, campaign: Campaign, ledger: Ledger) -> None:
+    def __init__(self, campaign: Campaign, ledger: Ledger, space: str) -> None:
         self.spec = campaign.spec.budget
-        self.ledger = ledger
+        self.ledger, self.space = ledger, space
 
     def trials_left(self) -> int:
-        return max(0, self.spec.max_trials - len(self.ledger.launched("screen")) - len(
-            [t for t in self.ledger.live.values() if t.stage == "screen"]))
+        running = [t for t in self.ledger.live.values() if t.stage == "screen" and t.space == self.space]
+        return max(0, self.spec.max_trials - len(self.ledger.launched("screen", self.space)) - len(running))
 
     def exhausted(self) -> str | None:
         """Why no more screening may start (or run), or ``None``."""
@@ -87,12 +88,13 @@ class StudySearcher(_DriverOnly, Searcher):
             return Searcher.FINISHED
         proposal = self.proposer.propose()
         for rejection in self.proposer.take_rejections():
-            self.ledger.reject(rejection)
+            self.ledger.reject(rejection, self.proposer.space.name)
         if proposal is None:
             log.warning("the sampler proposes nothing runnable any more: screening ends")
             return Searcher.FINISHED
         self.proposals[trial_id] = proposal
-        self.ledger.start(trial_id, "screen", proposal.config, proposal.number, proposal.source)
+        self.ledger.start(trial_id, "screen", self.proposer.space.name, proposal.config, proposal.number,
+                          proposal.source)
         return {"config": proposal.config.to_plain(), "steps": self.steps}
 
     def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
@@ -107,15 +109,15 @@ class StudySearcher(_DriverOnly, Searcher):
 class ListSearcher(_DriverOnly, Searcher):
     """Promotion: hands out a fixed list of configs, then is finished."""
 
-    def __init__(self, configs: list[tuple[Config, str]], ledger: Ledger, steps: int) -> None:
+    def __init__(self, configs: list[tuple[Config, str]], ledger: Ledger, space: str, steps: int) -> None:
         super().__init__()
-        self.pending, self.ledger, self.steps = list(configs), ledger, steps
+        self.pending, self.ledger, self.space, self.steps = list(configs), ledger, space, steps
 
     def suggest(self, trial_id: str) -> dict[str, Any] | str:
         if not self.pending:
             return Searcher.FINISHED
         config, source = self.pending.pop(0)
-        self.ledger.start(trial_id, "promote", config, None, source)
+        self.ledger.start(trial_id, "promote", self.space, config, None, source)
         return {"config": config.to_plain(), "steps": self.steps}
 
     def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:

@@ -101,8 +101,11 @@ class Proposer:
         self.running: dict[int, tuple[Proposal, optuna.Trial]] = {}
         self.finished: dict[Config, FrozenTrial] = {}
         self.out_of_memory: list[Config] = []
+        self.rejected: dict[Config, tuple[str, str]] = {}
+        """Configs rejected before launch: outcome and reason (asked again, they are told the same)."""
         self.rejections: list[Rejection] = []
         """Rejected proposals not yet collected by :meth:`take_rejections`."""
+        self.grid_size = space.size()
         for trial in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
             self._remember(trial)
         # Trials left running by a driver that died are lost; their configs may be proposed again.
@@ -150,21 +153,27 @@ class Proposer:
         return taken
 
     def propose(self) -> Proposal | None:
-        """The next config to run, or ``None`` when the sampler keeps proposing nothing runnable."""
+        """The next config to run, or ``None`` when every config of the space is settled or in
+        flight, or the sampler keeps proposing nothing runnable."""
         for _ in range(self.max_asks):
+            if len({*self.finished, *self.rejected, *(p.config for p, _ in self.running.values())}) >= self.grid_size:
+                return None
             trial = self.study.ask()
             config = suggest_config(trial, self.space)
             trial.set_user_attr("config", config.to_plain())
             source = trial.user_attrs.get("source", "sampler")
+            if config in self.rejected:
+                self._infeasible(trial, config, *self.rejected[config], new=False)
+                continue
+            if config in self.finished:
+                self._repeat(trial, self.finished[config])
+                continue
             if self.use_rules and (found := violations(config, self.context)):
                 self._infeasible(trial, config, "invalid", "; ".join(f"[{v.rule}] {v.reason}" for v in found))
                 continue
             if self.use_oom_feedback and (oom := self._dominated_oom(config)) is not None:
                 self._infeasible(trial, config, "oom_predicted",
-                                 f"needs at least the memory of {oom.describe()}, which ran out")
-                continue
-            if config in self.finished:
-                self._repeat(trial, self.finished[config])
+                                 f"needs at least the memory of {self.space.describe(oom)}, which ran out")
                 continue
             if any(p.config == config for p, _ in self.running.values()):
                 self.study.tell(trial, state=TrialState.FAIL)  # already running: not a result
@@ -198,8 +207,10 @@ class Proposer:
         frozen = self.study.tell(trial, 0.0 if infeasible or value is None else value)
         self._remember(frozen)
 
-    def _infeasible(self, trial: optuna.Trial, config: Config, outcome: str, reason: str) -> None:
-        self.rejections.append(Rejection(trial.number, config, outcome, reason))
+    def _infeasible(self, trial: optuna.Trial, config: Config, outcome: str, reason: str, new: bool = True) -> None:
+        if new:
+            self.rejected[config] = (outcome, reason)
+            self.rejections.append(Rejection(trial.number, config, outcome, reason))
         trial.set_user_attr("outcome", outcome)
         trial.set_user_attr("reason", reason)
         trial.set_constraint(CONSTRAINT, 1.0)
@@ -218,9 +229,10 @@ class Proposer:
     def _remember(self, trial: FrozenTrial) -> None:
         if "config" not in trial.user_attrs or "duplicate_of" in trial.user_attrs:
             return
-        if trial.user_attrs.get("outcome") in ("invalid", "oom_predicted"):
-            return
         config = complete_config(trial.user_attrs["config"])
+        if trial.user_attrs.get("outcome") in ("invalid", "oom_predicted"):
+            self.rejected.setdefault(config, (trial.user_attrs["outcome"], trial.user_attrs.get("reason", "")))
+            return
         self.finished.setdefault(config, trial)
         if trial.user_attrs.get("outcome") == "oom":
             self.out_of_memory.append(config)
