@@ -90,6 +90,7 @@ NEXT_SPACE = SPACE | {
     "reachable": {"model_tflops_per_s_per_gpu": 1e6, "source": "test: far above anything a CPU reaches"},
     "tune": {"micro_batch_size": [2]},
     "fixed": {"moe_token_dispatcher_type": "alltoall", "freeze_vision_model": True, "recompute_granularity": "none"},
+    "warm_start": [],
 }
 """A second space for the workflow: its declared reach guarantees the projected headroom is large."""
 
