@@ -164,4 +164,5 @@ class BurstRequest:
     """On CUDA: ``torch.cuda.set_per_process_memory_fraction`` for the burst."""
     cpu_memory_cap_bytes: int | None = None
     """On the CPU: address space each rank may add once its model and loader are built
-    (``RLIMIT_AS``), so training steps that need more fail to allocate: a real OOM boundary."""
+    (``RLIMIT_AS``), so training steps that need more fail to allocate: a real OOM boundary.
+    Capped ranks run in fresh processes, whose heaps hold no freed memory to reuse uncounted."""

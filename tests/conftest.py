@@ -105,10 +105,11 @@ def campaign_file(folder: Path, *, max_trials: int, top_k: int = 1, space: dict 
         "model": {"preset": "cpu_tiny_moe_vlm", "overrides": TEST_MODEL},
         "hardware": {"accelerator": "cpu", "gpus_per_node": 2, "gpus_per_trial": 2, "data_workers": 0, **hardware},
         "budget": {"max_trials": max_trials},
-        # Prune only what is clearly worse (25 % below the best's lower bound), so near-best
-        # configs reach promotion and the verdict has intervals to compare.
+        # Prune only what is clearly worse (15 % below the best's lower bound): the bring-up-like
+        # "slow" warm start runs at 0.6-0.7x the "fast" one on this model, while the fastest
+        # seeded start-up config still reaches promotion, so the verdict has intervals to compare.
         "stages": {"warmup_steps": 1, "screen_steps": 12, "promote_top_k": top_k, "promote_steps": 50,
-                   "target_relative_half_width": 0.01, "prune_margin": 0.25},
+                   "target_relative_half_width": 0.01, "prune_margin": 0.15},
         # Seeded random proposals for the first 4 trials (warm starts included): the same configs every run.
         "search": {"seed": 0, "startup_trials": 4},
         "output_dir": str(folder / "runs"),

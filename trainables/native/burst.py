@@ -247,6 +247,9 @@ def _cpu_memory_cap(device: torch.device, cap_bytes: int | None):
     if cap_bytes is None or device.type != "cpu":
         yield
         return
+    # Start the intra-op thread pool first: a thread started under the cap needs stack space it
+    # may not be able to map, and OpenMP aborts the process instead of raising.
+    torch.mm(torch.ones(512, 512), torch.ones(512, 512))
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     current = _address_space_bytes()
     limit = current + cap_bytes

@@ -95,11 +95,15 @@ def run_local(request: BurstRequest, reporter: Reporter | None = None) -> BurstR
     """Run the burst on ``request.world_size`` local ranks; merge the ranks' outcomes.
 
     ``reporter`` is called here, in the caller's process, with every step's report (rank 0's
-    aggregate); returning ``False`` stops every rank after that step (outcome ``pruned``).
+    aggregate); returning ``False`` stops every rank after that step (outcome ``pruned``). One
+    uncapped rank runs in the caller's process.
     """
-    if request.world_size == 1:
+    if request.world_size == 1 and request.cpu_memory_cap_bytes is None:
         torch.set_num_threads(cpu_threads_per_rank(1))
         return run_rank(request, device_for(0), reporter)
+    # More ranks, or a CPU memory cap: a cap bounds the address space a process *adds*, and the
+    # caller's heap may hold freed memory the burst would reuse uncounted, so capped ranks always
+    # start in fresh processes.
     with tempfile.TemporaryDirectory(prefix="burst-") as out_dir:
         reports, verdicts = _CONTEXT.Queue(), _CONTEXT.Queue()
         relay = _RelayedReporter(reports, verdicts) if reporter is not None else None
