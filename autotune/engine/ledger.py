@@ -44,10 +44,6 @@ class LiveTrial:
     decision: ScreenDecision | None = None
 
 
-def estimate_from(entry: dict[str, Any]) -> SteadyEstimate | None:
-    return SteadyEstimate(**entry["estimate"]) if entry.get("estimate") else None
-
-
 class Ledger:
     def __init__(self, run_dir: RunDir, *, world_size: int, warmup_steps: int, target_relative_half_width: float,
                  benchmark_only: bool) -> None:
@@ -88,13 +84,13 @@ class Ledger:
         """Close a trial: its outcome, estimate and cost, appended to ``trials.jsonl``."""
         trial = self.live.pop(trial_id)
         outcome, reason = self._outcome(trial, errored)
-        estimate = (
-            trial.decision.estimate
-            if trial.decision is not None and trial.decision.estimate is not None
-            else steady_state(trial.objective, min_warmup=self.warmup_steps, target_relative_half_width=self.target)
-        )
-        if outcome in ("oom", "invalid", "failed"):
-            estimate = None
+        estimate = None
+        if outcome in ("ok", "pruned"):
+            estimate = (
+                trial.decision.estimate
+                if trial.decision is not None and trial.decision.estimate is not None
+                else steady_state(trial.objective, min_warmup=self.warmup_steps, target_relative_half_width=self.target)
+            )
         wall = time.monotonic() - trial.started
         window = slice(estimate.warmup_steps, None) if estimate is not None else slice(0, 0)
         seconds = sum(trial.step_seconds[window])
@@ -168,12 +164,11 @@ class Ledger:
 
     def best_screen_estimate(self) -> SteadyEstimate | None:
         """The best finished screening estimate: what a running trial must be able to reach."""
-        finished = [e for e in self.launched("screen") if e["outcome"] == "ok" and e.get("estimate")]
-        if not finished:
-            return None
-        return estimate_from(max(finished, key=lambda e: e["objective"]))
+        best = self.best_entry()
+        return None if best is None else SteadyEstimate(**best["estimate"])
 
     def best_entry(self) -> dict[str, Any] | None:
+        """The finished screening trial with the best steady objective (an objective comes with its estimate)."""
         finished = [e for e in self.launched("screen") if e["outcome"] == "ok" and e.get("objective") is not None]
         return max(finished, key=lambda e: e["objective"]) if finished else None
 

@@ -79,12 +79,10 @@ class RunDir:
         return (self.path / "ray").resolve()
 
     def write_json(self, name: str, data: Any) -> None:
-        """Write a derived view (leaderboard, spend) atomically: readers never see half a file."""
-        temporary = self.path / f".{name}.tmp"
-        temporary.write_text(json.dumps(data, indent=2, default=str, allow_nan=False) + "\n", encoding="utf-8")
-        temporary.replace(self.path / name)
+        self.write_text(name, json.dumps(data, indent=2, default=str, allow_nan=False) + "\n")
 
     def write_text(self, name: str, text: str) -> None:
+        """Write a derived view (leaderboard, spend, winner) atomically: readers never see half a file."""
         temporary = self.path / f".{name}.tmp"
         temporary.write_text(text, encoding="utf-8")
         temporary.replace(self.path / name)
