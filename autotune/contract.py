@@ -49,6 +49,9 @@ class TrainableSupport:
     allowed: Mapping[str, frozenset[Value]] = field(default_factory=dict)
     cuda_only: Mapping[str, frozenset[Value]] = field(default_factory=dict)
     """Values honoured only on a CUDA device (e.g. graphs), checked against the stack."""
+    fresh_process: bool = False
+    """Every burst needs fresh processes (the trainable keeps process-global state, such as
+    megatron-core's parallel groups and CUDA-graph records, that must not reach the next burst)."""
 
     def __post_init__(self) -> None:
         for name in (*self.allowed, *self.cuda_only):

@@ -53,7 +53,7 @@ def campaign_run(tmp_path_factory, cache_env) -> tuple[Path, subprocess.Complete
 def test_campaign_writes_every_output(campaign_run) -> None:
     run_dir, result = campaign_run
     for name in ("campaign.yaml", "space.yaml", "study.journal", "steps.jsonl", "trials.jsonl", "leaderboard.json",
-                 "winner.yaml", "spend.json"):
+                 "winner.yaml", "spend.json", "probe.json"):
         assert (run_dir / name).is_file(), name
     records = entries(run_dir)
     launched = [e for e in records if e["launched"]]

@@ -17,7 +17,7 @@ from autotune.contract import BurstRequest, DataSpec
 from autotune.knobs import complete_config
 from autotune.model import model_preset
 from trainables.data.loader import ImageSettings, PackedVLMDataset
-from trainables.native.launch import run_local
+from trainables.launch import run_local
 from trainables.native.model import MoEVLM
 from trainables.native.recompute import apply_recompute
 
@@ -94,7 +94,7 @@ def test_frozen_vision_has_no_gradients_and_forward_only_flops(photo_shards: Pat
     forward(model, batch).loss.backward()
     assert all(p.grad is None for p in model.vision.parameters())
     assert all(p.grad is not None for p in model.projector.parameters())
-    from trainables.native.flops import step_flops
+    from trainables.flops import step_flops
 
     frozen = step_flops(SPEC, batch.segment_ids, batch.image_grids, True, False)
     trainable = step_flops(SPEC, batch.segment_ids, batch.image_grids, False, False)

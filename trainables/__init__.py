@@ -6,6 +6,7 @@ honour through :func:`trainable_support`, which imports only plain data modules 
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 from typing import TYPE_CHECKING, Callable
@@ -20,11 +21,9 @@ _SUPPORT_MODULES = {
     "native": "trainables.native.capabilities",
     "megatron": "trainables.megatron.capabilities",
 }
-_RUNNERS = {
-    "native": "trainables.native.launch:run_local",
-}
 _RANK_RUNNERS = {
     "native": "trainables.native.burst:run_rank",
+    "megatron": "trainables.megatron.burst:run_rank",
 }
 TRAINABLES = tuple(_SUPPORT_MODULES)
 
@@ -36,11 +35,13 @@ def trainable_support(name: str) -> TrainableSupport:
     return importlib.import_module(_SUPPORT_MODULES[name]).SUPPORT
 
 
-def burst_runner(name: str) -> Callable[[BurstRequest], BurstResult]:
-    """The function that runs one burst of the trainable ``name`` on this machine's devices."""
-    if name not in _RUNNERS:
-        raise AutotuneError(f"the {name} trainable has no burst runner in this version (runners: {', '.join(_RUNNERS)})")
-    return _load(_RUNNERS[name])
+def burst_runner(name: str) -> Callable[..., BurstResult]:
+    """The function that runs one burst of the trainable ``name`` on this machine's devices:
+    ``runner(request, reporter=None)``."""
+    trainable_support(name)  # an unknown name is a clear error here
+    from trainables.launch import run_local
+
+    return functools.partial(run_local, trainable=name)
 
 
 def rank_runner(name: str) -> Callable[[BurstRequest, "torch.device", Reporter | None], BurstResult]:

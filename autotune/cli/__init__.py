@@ -27,7 +27,8 @@ error_console = Console(stderr=True)
 
 
 def _register() -> None:
-    from autotune.cli import burst_cmd, data_cmd, export_cmd, knobs_cmd, run_cmd, space_cmd, validate_cmd
+    from autotune.cli import (burst_cmd, data_cmd, export_cmd, knobs_cmd, probe_cmd, run_cmd, space_cmd,
+                              validate_cmd)
 
     app.add_typer(space_cmd.app, name="space")
     app.add_typer(data_cmd.app, name="data")
@@ -37,6 +38,7 @@ def _register() -> None:
     app.command("knobs")(knobs_cmd.knobs)
     app.command("burst")(burst_cmd.burst)
     app.command("export")(export_cmd.export)
+    app.command("probe")(probe_cmd.probe)
 
 
 def main() -> None:

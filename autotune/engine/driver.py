@@ -22,8 +22,9 @@ from autotune.campaign import Campaign
 from autotune.contract import BurstRequest, DataSpec
 from autotune.engine.ledger import Ledger, Stage
 from autotune.engine.live import LiveView
+from autotune.engine.probe import apply_probe, probe_cluster
 from autotune.engine.promotion import Verdict, decide, leaderboard, projected_headroom, promotion_candidates
-from autotune.engine.rundir import LEADERBOARD_FILE, SPEND_FILE, WINNER_FILE, RunDir, open_run_dir
+from autotune.engine.rundir import LEADERBOARD_FILE, PROBE_FILE, SPEND_FILE, WINNER_FILE, RunDir, open_run_dir
 from autotune.engine.trial import TrialJob, run_trial
 from autotune.errors import AutotuneError
 from autotune.export import document
@@ -54,6 +55,11 @@ def connect(address: str | None) -> None:
 
 
 def run_campaign(campaign: Campaign, run_dir: RunDir, view: LiveView) -> CampaignOutcome:
+    probes = probe_cluster("GPU" if campaign.stack.has_cuda else None)
+    run_dir.write_json(PROBE_FILE, probes)
+    campaign, changes = apply_probe(campaign, probes)
+    for change in changes:
+        view.note(f"capability probe: {change}; the rules use what the nodes run")
     spec = campaign.spec
     ledger = Ledger(
         run_dir,

@@ -39,6 +39,7 @@ TRIALS_FILE = "trials.jsonl"
 LEADERBOARD_FILE = "leaderboard.json"
 WINNER_FILE = "winner.yaml"
 SPEND_FILE = "spend.json"
+PROBE_FILE = "probe.json"
 
 
 class JsonLines:

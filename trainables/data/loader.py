@@ -20,7 +20,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from autotune.contract import DataRealism
+from autotune.contract import BurstRequest, DataRealism
 from trainables.data import tokenizer
 from trainables.data.image_tokens import decoder_image_tokens, smart_resize, to_patches
 from trainables.data.shards import DataError, iter_samples, list_shards
@@ -276,3 +276,25 @@ def make_loader(dataset: PackedVLMDataset, num_workers: int, prefetch_factor: in
         persistent_workers=num_workers > 0,
         pin_memory=torch.cuda.is_available(),
     )
+
+
+def rank_loader(request: BurstRequest, rank: int, world_size: int) -> Iterator[MicroBatch]:
+    """The micro-batches of data-parallel rank ``rank`` of ``world_size`` for a burst."""
+    spec = request.model
+    images = ImageSettings(
+        patch_size=spec.vision.patch_size,
+        merge=spec.vision.spatial_merge_size,
+        min_pixels=spec.images.min_pixels,
+        max_pixels=spec.images.max_pixels,
+    )
+    dataset = PackedVLMDataset(
+        Path(request.data.folder),
+        images,
+        seq_length=spec.seq_length,
+        micro_batch_size=request.config.micro_batch_size,
+        rank=rank,
+        world_size=world_size,
+        seed=request.seed,
+        realism=request.data.realism,
+    )
+    return iter(make_loader(dataset, request.data_workers))

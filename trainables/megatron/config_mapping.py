@@ -77,12 +77,14 @@ def knob_fields(config: Config, megatron_core_version: str, target: str) -> dict
     return fields
 
 
-def build_transformer_config(config: Config, model: ModelSpec, megatron_core_version: str | None = None):
-    """A megatron-core ``TransformerConfig``; its own checks run in ``__post_init__``."""
+def build_transformer_config(config: Config, model: ModelSpec, megatron_core_version: str | None = None,
+                             extra: dict[str, Any] | None = None):
+    """A megatron-core ``TransformerConfig``; its own checks run in ``__post_init__``. ``extra``
+    adds fields no knob owns (the trainable's kernel choices)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     version = megatron_core_version or installed_megatron_core_version()
-    return TransformerConfig(**model_fields(model), **knob_fields(config, version, "transformer"))
+    return TransformerConfig(**(model_fields(model) | knob_fields(config, version, "transformer") | (extra or {})))
 
 
 def build_ddp_config(config: Config, megatron_core_version: str | None = None):

@@ -23,9 +23,10 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from autotune.contract import BurstRequest, BurstResult, Reporter, StepRecord, StepReport
-from trainables.data.loader import ImageSettings, MicroBatch, PackedVLMDataset, make_loader
+from trainables.data.loader import MicroBatch, rank_loader
 from trainables.native.cuda_graphs import apply_cuda_graphs
-from trainables.native.flops import CONVENTION, step_flops
+from trainables.stage_clock import StageClock
+from trainables.flops import CONVENTION, step_flops
 from trainables.native.model import GroupedExperts, MoEVLM
 from trainables.native.parallelize import (
     ParallelGroups,
@@ -40,59 +41,6 @@ log = logging.getLogger(__name__)
 
 OOM_ERRORS = (torch.OutOfMemoryError, MemoryError)
 CPU_ALLOCATION_FAILURE = "DefaultCPUAllocator: can't allocate memory"
-
-
-class StageClock:
-    """Forward and backward time of the vision encoder and the projector, from module and tensor
-    hooks (so it works under DDP and FSDP); CUDA events on a GPU, wall clock on the CPU.
-
-    A stage's backward starts when the gradient reaches its output (backward pre-hook) and ends
-    when it reaches the output of its first layer (a tensor hook), which stays correct when the
-    stage's own input needs no gradient. The decoder's time is the rest of the step.
-    """
-
-    def __init__(self, model: MoEVLM, cuda: bool) -> None:
-        self.cuda = cuda
-        self.spans: dict[str, list] = {"vision": [], "projector": []}
-        self._open: dict[str, object] = {}
-        for name, first_layer in (("vision", model.vision.patch_embed), ("projector", model.projector.norm)):
-            module = getattr(model, name)
-            module.register_forward_pre_hook(lambda *_, n=name: self._start(n))
-            module.register_forward_hook(lambda *_, n=name: self._stop(n))
-            module.register_full_backward_pre_hook(lambda *_, n=name: self._start(n))
-            first_layer.register_forward_hook(lambda _m, _i, out, n=name: self._stop_on_gradient(n, out))
-
-    def _stop_on_gradient(self, name: str, output: torch.Tensor) -> None:
-        if output.requires_grad:
-            output.register_hook(lambda grad: self._stop(name))
-
-    def _now(self):
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def _start(self, name: str) -> None:
-        self._open[name] = self._now()
-
-    def _stop(self, name: str) -> None:
-        start = self._open.pop(name, None)
-        if start is not None:
-            self.spans[name].append((start, self._now()))
-
-    def collect(self) -> dict[str, float]:
-        """Seconds per stage since the last call (synchronises the device on CUDA)."""
-        if self.cuda:
-            torch.cuda.synchronize()
-        totals = {}
-        for name, spans in self.spans.items():
-            if self.cuda:
-                totals[name] = sum(a.elapsed_time(b) for a, b in spans) / 1000.0
-            else:
-                totals[name] = sum(b - a for a, b in spans)
-            spans.clear()
-        return totals
 
 
 def _peak_memory_bytes(device: torch.device) -> int:
@@ -157,7 +105,7 @@ def build_run(request: BurstRequest, device: torch.device) -> BurstRun:
     rank = dist.get_rank() if world > 1 else 0
     if config.cuda_graph_impl != "none" and device.type != "cuda":
         raise ValueError(f"cuda_graph_impl={config.cuda_graph_impl} needs a CUDA device")
-    batches = _loader(request, rank)
+    batches = rank_loader(request, rank, world)
     torch.manual_seed(request.seed)  # identical initial weights on every rank
     model = MoEVLM(request.model)
     model.freeze(config.freeze_vision_model, config.freeze_vision_projection)
@@ -173,32 +121,12 @@ def build_run(request: BurstRequest, device: torch.device) -> BurstRun:
 
     with _autocast(device):
         graphed = apply_cuda_graphs(model, config, probe_forward)
-    clock = StageClock(model, device.type == "cuda")
+    clock = StageClock({"vision": (model.vision, model.vision.patch_embed),
+                        "projector": (model.projector, model.projector.norm)}, device.type == "cuda")
     wrapped = apply_data_parallel(model, config, groups, expert_params, device)
     optimizer = torch.optim.AdamW([p for p in wrapped.parameters() if p.requires_grad], lr=1e-4)
     return BurstRun(request, device, rank, model, wrapped, groups, expert_params, checkpoints, graphed, clock,
                     batches, optimizer)
-
-
-def _loader(request: BurstRequest, rank: int) -> Iterator[MicroBatch]:
-    spec = request.model
-    images = ImageSettings(
-        patch_size=spec.vision.patch_size,
-        merge=spec.vision.spatial_merge_size,
-        min_pixels=spec.images.min_pixels,
-        max_pixels=spec.images.max_pixels,
-    )
-    dataset = PackedVLMDataset(
-        Path(request.data.folder),
-        images,
-        seq_length=spec.seq_length,
-        micro_batch_size=request.config.micro_batch_size,
-        rank=rank,
-        world_size=request.world_size,
-        seed=request.seed,
-        realism=request.data.realism,
-    )
-    return iter(make_loader(dataset, request.data_workers))
 
 
 def run_rank(request: BurstRequest, device: torch.device, reporter: Reporter | None = None) -> BurstResult:

@@ -1,7 +1,8 @@
-"""Start a burst's ranks on this machine: in-process for one rank, processes over gloo (CPU) or
-NCCL (one GPU each) for more. Rank processes fork from a forkserver that has already imported
-torch and this trainable, so a burst does not pay their import (seconds per rank) each time. The campaign engine starts ranks through Ray instead and
-calls :func:`~trainables.native.burst.run_rank` the same way."""
+"""Start a burst's ranks on this machine: in-process for one rank of a trainable that allows it,
+processes over gloo (CPU) or NCCL (one GPU each) otherwise. Rank processes fork from a forkserver
+that has already imported torch and the native trainable, so a burst does not pay their import
+(seconds per rank) each time. A Ray Train worker group starts ranks instead and calls the same
+rank runner (:func:`trainables.rank_runner`)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from autotune.contract import BurstRequest, BurstResult, Reporter, StepReport
-from trainables.native.burst import run_rank
 
 RANK_TIMEOUT = timedelta(minutes=5)
 STRAGGLER_GRACE_SECONDS = 10.0
@@ -71,7 +71,8 @@ def _die_with_parent() -> None:
 
 
 def _rank_main(
-    rank: int, world_size: int, port: int, request: BurstRequest, out_dir: str, reporter: Reporter | None
+    trainable: str, rank: int, world_size: int, port: int, request: BurstRequest, out_dir: str,
+    reporter: Reporter | None,
 ) -> None:
     _die_with_parent()
     if os.getppid() == 1:  # orphaned before the signal was armed
@@ -84,33 +85,38 @@ def _rank_main(
     dist.init_process_group(
         backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=RANK_TIMEOUT
     )
+    from trainables import rank_runner
+
     try:
-        result = run_rank(request, device, reporter if rank == 0 else None)
+        result = rank_runner(trainable)(request, device, reporter if rank == 0 else None)
     finally:
         dist.destroy_process_group()
     Path(out_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
 
 
-def run_local(request: BurstRequest, reporter: Reporter | None = None) -> BurstResult:
-    """Run the burst on ``request.world_size`` local ranks; merge the ranks' outcomes.
+def run_local(request: BurstRequest, reporter: Reporter | None = None, trainable: str = "native") -> BurstResult:
+    """Run a burst of ``trainable`` on ``request.world_size`` local ranks; merge the ranks' outcomes.
 
     ``reporter`` is called here, in the caller's process, with every step's report (rank 0's
     aggregate); returning ``False`` stops every rank after that step (outcome ``pruned``). One
-    uncapped rank runs in the caller's process.
+    uncapped rank runs in the caller's process unless the trainable needs a fresh process.
     """
-    if request.world_size == 1 and request.cpu_memory_cap_bytes is None:
+    from trainables import rank_runner, trainable_support
+
+    if (request.world_size == 1 and request.cpu_memory_cap_bytes is None
+            and not trainable_support(trainable).fresh_process):
         torch.set_num_threads(cpu_threads_per_rank(1))
-        return run_rank(request, device_for(0), reporter)
-    # More ranks, or a CPU memory cap: a cap bounds the address space a process *adds*, and the
-    # caller's heap may hold freed memory the burst would reuse uncounted, so capped ranks always
-    # start in fresh processes.
+        return rank_runner(trainable)(request, device_for(0), reporter)
+    # More ranks, a CPU memory cap (it bounds the address space a process *adds*, and the
+    # caller's heap may hold freed memory the burst would reuse uncounted), or a trainable with
+    # process-global state: the ranks start in fresh processes.
     with tempfile.TemporaryDirectory(prefix="burst-") as out_dir:
         reports, verdicts = _CONTEXT.Queue(), _CONTEXT.Queue()
         relay = _RelayedReporter(reports, verdicts) if reporter is not None else None
         port = _free_port()
         processes = [
             _CONTEXT.Process(
-                target=_rank_main, args=(rank, request.world_size, port, request, out_dir, relay)
+                target=_rank_main, args=(trainable, rank, request.world_size, port, request, out_dir, relay)
             )
             for rank in range(request.world_size)
         ]

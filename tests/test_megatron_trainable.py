@@ -1,0 +1,146 @@
+"""The megatron-core trainable on the CPU: its model builds (on the meta device) at the presets'
+published sizes, it refuses to train without CUDA, and the capability probe feeds the rules.
+Training itself needs CUDA: the ``gpu`` test runs only where there is one."""
+
+from __future__ import annotations
+
+import socket
+import warnings
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("megatron.core", reason="needs the `megatron` extra (megatron-core)")
+
+import torch  # noqa: E402
+
+from autotune.bursts import run_burst  # noqa: E402
+from autotune.campaign import load_campaign  # noqa: E402
+from autotune.contract import BurstRequest, DataSpec  # noqa: E402
+from autotune.engine.probe import apply_probe  # noqa: E402
+from autotune.errors import AutotuneError  # noqa: E402
+from autotune.knobs import complete_config  # noqa: E402
+from autotune.model import model_preset  # noqa: E402
+from trainables.probe import accelerator_label, probe  # noqa: E402
+
+pytestmark = pytest.mark.megatron
+warnings.filterwarnings("ignore", module="megatron")
+
+
+@pytest.fixture(scope="module")
+def model_parallel():
+    """A one-rank gloo group with megatron-core's parallel state, as a burst sets it up."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel()
+    yield
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def build_on_meta(preset: str, **knobs):
+    from trainables.megatron.config_mapping import build_transformer_config
+    from trainables.megatron.model import PORTABLE_FIELDS, MegatronMoEVLM
+
+    spec = model_preset(preset)
+    config = build_transformer_config(complete_config(knobs), spec,
+                                      extra=PORTABLE_FIELDS | {"use_cpu_initialization": True})
+    with torch.device("meta"):
+        return spec, MegatronMoEVLM(config, spec, use_te=False)
+
+
+# Published sizes: Qwen3-VL-30B-A3B and -235B-A22B (total parameters; active per token).
+SIZES = {
+    "h200_small_moe_vlm": ((0.9e9, 1.1e9), (0.25e9, 0.35e9)),
+    "qwen3_vl_30b_a3b_like": ((29e9, 33e9), (3e9, 4.2e9)),
+    "qwen3_vl_235b_a22b_like": ((228e9, 240e9), (21e9, 24e9)),
+}
+
+
+@pytest.mark.parametrize("preset", SIZES)
+def test_presets_build_at_their_published_sizes(model_parallel, preset: str) -> None:
+    spec, model = build_on_meta(preset)
+    total = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    active = total - experts + experts * spec.moe_router_topk // spec.num_moe_experts
+    (total_low, total_high), (active_low, active_high) = SIZES[preset]
+    assert total_low <= total <= total_high
+    assert active_low <= active <= active_high
+    # Every MoE layer holds all experts on one rank (EP = 1) and the vision stack is there.
+    assert experts > 0 and model.pre_process and sum(p.numel() for p in model.vision_model.parameters()) > 0
+
+
+def test_freeze_keeps_llava_meaning(model_parallel) -> None:
+    _, model = build_on_meta("h200_small_moe_vlm")
+    model.freeze(freeze_vision_model=True, freeze_vision_projection=False, freeze_language_model=False)
+    assert not any(p.requires_grad for p in model.vision_model.parameters())
+    assert all(p.requires_grad for p in model.vision_projection.parameters())
+    assert all(p.requires_grad for p in model.language_model.parameters())
+
+
+def test_packed_mask_is_causal_within_samples() -> None:
+    from trainables.megatron.model import packed_causal_mask
+
+    mask = packed_causal_mask(torch.tensor([[1, 1, 2, 2, 0]]))[0, 0]
+    allowed = ~mask
+    assert allowed[1, 0] and not allowed[0, 1]  # causal inside sample 1
+    assert not allowed[2, 1] and allowed[3, 2]  # sample 2 never sees sample 1
+
+
+def test_burst_without_cuda_is_invalid_with_the_reason(photo_shards: Path) -> None:
+    request = BurstRequest(config=complete_config({}), model=model_preset("cpu_tiny_moe_vlm"),
+                           data=DataSpec(str(photo_shards)), steps=2, world_size=1)
+    result = run_burst("megatron", request)
+    assert result.outcome == "invalid"
+    assert "CUDA" in result.error
+
+
+def test_probe_reports_this_machine() -> None:
+    facts = probe()
+    assert facts["torch"] == torch.__version__
+    from megatron.core import __version__ as installed
+
+    assert facts["megatron_core"] == installed
+    assert facts["accelerator"] == ("cpu" if not torch.cuda.is_available() else accelerator_label(facts["device_name"]))
+    assert accelerator_label("NVIDIA H200") == "h200" and accelerator_label("NVIDIA GB200") == "gb200"
+
+
+def _node(**overrides) -> dict:
+    return {"megatron_core": "0.19.2", "transformer_engine": None, "deep_ep": False, "hybrid_ep": False,
+            "device_count": 1} | overrides
+
+
+def test_probe_replaces_the_campaign_stack_and_says_so() -> None:
+    campaign = load_campaign(Path("campaigns/h200_single.yaml"))
+    probed, changes = apply_probe(campaign, [_node(megatron_core="0.16.1")])
+    assert probed.stack.megatron_core == "0.16.1" and probed.rule_context.stack.megatron_core == "0.16.1"
+    assert any("megatron_core" in change for change in changes)
+    # A package only some nodes have counts as absent.
+    mixed, _ = apply_probe(campaign, [_node(transformer_engine="2.10"), _node()])
+    assert mixed.stack.transformer_engine is None
+
+
+def test_probe_rejects_a_cluster_that_cannot_run_the_campaign() -> None:
+    campaign = load_campaign(Path("campaigns/h200_single.yaml"))
+    with pytest.raises(AutotuneError, match="different megatron-core"):
+        apply_probe(campaign, [_node(), _node(megatron_core="0.16.1")])
+    with pytest.raises(AutotuneError, match="no node has a CUDA device"):
+        apply_probe(campaign, [_node(device_count=0)])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="training needs CUDA")
+def test_gpu_burst_trains_with_its_knobs_in_effect(photo_shards: Path) -> None:
+    config = complete_config({"micro_batch_size": 2, "recompute_granularity": "selective",
+                              "recompute_modules": ["moe"], "freeze_vision_model": True})
+    request = BurstRequest(config=config, model=model_preset("h200_small_moe_vlm"),
+                           data=DataSpec(str(photo_shards)), steps=4, world_size=1, data_workers=2)
+    result = run_burst("megatron", request)
+    assert result.outcome == "ok", result.error
+    assert all(result.evidence["checks"].values())
+    assert result.records[-1].image_tokens > 0 and result.records[-1].vision_seconds > 0
