@@ -4,7 +4,6 @@ the rules judge configs against what is installed rather than what the campaign 
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -12,7 +11,6 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from autotune.campaign import Campaign
 from autotune.errors import AutotuneError
 
-log = logging.getLogger(__name__)
 SOFTWARE_FIELDS = ("megatron_core", "transformer_engine", "deep_ep", "hybrid_ep")
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import gc
 import importlib.util
-import logging
 import platform
 import time
 import traceback
@@ -26,7 +25,6 @@ from trainables.data.loader import MicroBatch, rank_loader
 from trainables.flops import CONVENTION, step_flops
 from trainables.stage_clock import StageClock
 
-log = logging.getLogger(__name__)
 
 OOM_ERRORS = (torch.OutOfMemoryError,)
 SEED = 1234
