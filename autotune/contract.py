@@ -49,6 +49,10 @@ class TrainableSupport:
     allowed: Mapping[str, frozenset[Value]] = field(default_factory=dict)
     cuda_only: Mapping[str, frozenset[Value]] = field(default_factory=dict)
     """Values honoured only on a CUDA device (e.g. graphs), checked against the stack."""
+    moe_layer_graph_scopes: frozenset[str] = frozenset({"moe", "moe_router", "moe_preprocess"})
+    """``cuda_graph_scope`` elements whose local CUDA graphs capture part of a MoE layer; the
+    other elements graph dense layers only. The default is megatron-core's: a MoE layer's local
+    graphs hold its router with the preprocessing, or the whole MoE block, never its attention."""
     fresh_process: bool = False
     """Every burst needs fresh processes (the trainable keeps process-global state, such as
     megatron-core's parallel groups and CUDA-graph records, that must not reach the next burst)."""

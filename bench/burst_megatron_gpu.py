@@ -31,11 +31,10 @@ CONFIGS = {
     "bring-up (MBS 1, full recompute, no graphs)": BRING_UP,
     "MBS 2, selective core_attn, graphs attn+moe_router+moe_preprocess": {
         "micro_batch_size": 2, "recompute_granularity": "selective", "recompute_modules": ["core_attn"], **SAFE_SCOPE},
-    "MBS 4, no recompute, whole-layer graphs, frozen vision": {
-        "micro_batch_size": 4, "cuda_graph_impl": "local", "cuda_graph_scope": [], "freeze_vision_model": True},
+    "MBS 4, no recompute, graphs attn+moe_router+moe_preprocess, frozen vision": {
+        "micro_batch_size": 4, **SAFE_SCOPE, "freeze_vision_model": True},
     "MBS 8, no recompute, no graphs": {"micro_batch_size": 8},
-    "full recompute with local graphs (megatron-core rejects)": {
-        **BRING_UP, "cuda_graph_impl": "local", "cuda_graph_scope": ["attn"]},
+    "full recompute with local graphs (megatron-core rejects)": {**BRING_UP, **SAFE_SCOPE},
 }
 
 

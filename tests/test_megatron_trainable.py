@@ -43,11 +43,11 @@ def model_parallel():
     dist.destroy_process_group()
 
 
-def build_on_meta(preset: str, **knobs):
+def build_on_meta(preset: str, overrides: dict | None = None, **knobs):
     from trainables.megatron.config_mapping import build_transformer_config
     from trainables.megatron.model import PORTABLE_FIELDS, MegatronMoEVLM
 
-    spec = model_preset(preset)
+    spec = model_preset(preset, overrides)
     config = build_transformer_config(complete_config(knobs), spec,
                                       extra=PORTABLE_FIELDS | {"use_cpu_initialization": True})
     with torch.device("meta"):
@@ -73,6 +73,16 @@ def test_presets_build_at_their_published_sizes(model_parallel, preset: str) -> 
     assert active_low <= active <= active_high
     # Every MoE layer holds all experts on one rank (EP = 1) and the vision stack is there.
     assert experts > 0 and model.pre_process and sum(p.numel() for p in model.vision_model.parameters()) > 0
+
+
+def test_moe_layers_are_built_for_partial_graphs(model_parallel) -> None:
+    """MoE layers are megatron-core's ``MoETransformerLayer`` (whose local graphs capture the router
+    and leave the dropless dispatch eager); dense layers stay ``TransformerLayer``."""
+    from megatron.core.transformer.transformer_layer import MoETransformerLayer
+
+    _, model = build_on_meta("h200_small_moe_vlm", {"first_k_dense_layers": 2})
+    layers = list(model.language_model.decoder.layers)
+    assert [isinstance(layer, MoETransformerLayer) for layer in layers] == [False, False] + [True] * (len(layers) - 2)
 
 
 def test_freeze_keeps_llava_meaning(model_parallel) -> None:

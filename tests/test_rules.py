@@ -63,14 +63,14 @@ CASES = [
     Case("mlp_recompute_needs_dense_layers", {**SELECTIVE, "recompute_modules": ["mlp"]},
          {**SELECTIVE, "recompute_modules": ["moe"]}),
     Case("full_recompute_needs_full_iteration_graphs", {**FULL, **LOCAL, "cuda_graph_scope": ["attn"]},
-         {**FULL, "cuda_graph_impl": "full_iteration"}),
+         {**FULL, "cuda_graph_impl": "full_iteration"}, DROP_AND_PAD),
     Case("graphed_attention_recompute_needs_no_attention_dropout",
          {**SELECTIVE, **LOCAL, "cuda_graph_scope": ["attn"]},
          {**SELECTIVE, **LOCAL, "cuda_graph_scope": ["moe_router", "moe_preprocess"]},
          {"model_overrides": {"attention_dropout": 0.1}}),
     Case("graphed_mlp_recompute_needs_no_hidden_dropout",
          {**SELECTIVE, "recompute_modules": ["moe"], **LOCAL, "cuda_graph_scope": []},
-         {**SELECTIVE, "recompute_modules": ["moe"], **LOCAL, "cuda_graph_scope": ["attn"]},
+         {**SELECTIVE, "recompute_modules": ["moe"], **LOCAL, "cuda_graph_scope": ["moe_router", "moe_preprocess"]},
          {"model_overrides": {"hidden_dropout": 0.1}}),
     Case("moe_preprocess_scope_needs_moe_router", {**TE_GRAPHS, "cuda_graph_scope": ["moe_preprocess"]},
          {**TE_GRAPHS, "cuda_graph_scope": ["moe_router", "moe_preprocess"]}),
@@ -82,10 +82,14 @@ CASES = [
          {**LOCAL, "cuda_graph_scope": ["moe_router", "moe_preprocess"], "moe_token_dispatcher_type": "alltoall"},
          {**TE_GRAPHS, "cuda_graph_scope": ["moe_router"], "moe_token_dispatcher_type": "alltoall"},
          {"model_overrides": {"moe_expert_capacity_factor": 1.0}}),
+    Case("whole_layer_graphs_need_drop_and_pad", {**LOCAL, "cuda_graph_scope": []},
+         {**LOCAL, "cuda_graph_scope": ["moe_router", "moe_preprocess"]}),
+    Case("local_graph_scope_captures_a_layer", {**LOCAL, "cuda_graph_scope": ["attn"]},
+         {**LOCAL, "cuda_graph_scope": ["attn", "moe_router", "moe_preprocess"]}),
     Case("mlp_scope_needs_dense_layers", {**LOCAL, "cuda_graph_scope": ["mlp"]},
-         {**LOCAL, "cuda_graph_scope": ["attn"]}),
+         {**LOCAL, "cuda_graph_scope": ["moe_router", "moe_preprocess"]}),
     Case("mamba_scope_needs_mamba_layers", {**LOCAL, "cuda_graph_scope": ["mamba"]},
-         {**LOCAL, "cuda_graph_scope": ["attn"]}),
+         {**LOCAL, "cuda_graph_scope": ["moe_router", "moe_preprocess"]}),
     Case("te_graphs_moe_recompute_excludes_moe_router_scope",
          {**SELECTIVE, "recompute_modules": ["moe"], **TE_GRAPHS, "cuda_graph_scope": ["moe_router"]},
          {**SELECTIVE, "recompute_modules": ["moe"], **TE_GRAPHS, "cuda_graph_scope": ["attn"]}),
@@ -110,7 +114,7 @@ CASES = [
          {"moe_token_dispatcher_type": "alltoall"},
          {"accelerator": "cpu", "trainable": "native", "model": "cpu_tiny_moe_vlm"}),
     Case("transformer_engine_graphs_need_te", {**TE_GRAPHS, "cuda_graph_scope": ["attn"]},
-         {**LOCAL, "cuda_graph_scope": ["attn"]}, {"transformer_engine": None}),
+         {**LOCAL, "cuda_graph_scope": ["moe_router", "moe_preprocess"]}, {"transformer_engine": None}),
     Case("grouped_gemm_needs_te", {"moe_grouped_gemm": True}, {}, {"transformer_engine": None}),
     Case("flex_backend_needs_package",
          {"moe_token_dispatcher_type": "flex", "moe_flex_dispatcher_backend": "hybridep", "expert_model_parallel_size": 2},
@@ -153,6 +157,14 @@ def test_local_graphs_capture_router_and_preprocess_together() -> None:
     both = cfg(**LOCAL, cuda_graph_scope=["attn", "moe_router", "moe_preprocess"])
     assert "moe_preprocess_scope_needs_moe_router" in {v.rule for v in violations(one, context)}
     assert violations(both, context) == []
+
+
+def test_local_attention_graphs_follow_the_trainable() -> None:
+    """megatron-core graphs attention only in dense layers; the native trainable in MoE layers too."""
+    attention_only = cfg(**LOCAL, cuda_graph_scope=["attn"])
+    assert violations(attention_only, make_context(model_overrides={"first_k_dense_layers": 1})) == []
+    native = make_context(trainable="native", model="cpu_tiny_moe_vlm")
+    assert "local_graph_scope_captures_a_layer" not in {v.rule for v in violations(attention_only, native)}
 
 
 def test_layernorm_recompute_allowed_before_0_19_and_with_te() -> None:

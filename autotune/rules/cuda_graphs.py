@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 from autotune.knobs import Config
-from autotune.rules._base import RuleContext, graph_scope, graphed, per_layer_graphs, rule, selective
+from autotune.rules._base import (
+    RuleContext,
+    graph_scope,
+    graphed,
+    graphs_whole_layer,
+    per_layer_graphs,
+    rule,
+    selective,
+)
 
 
 @rule(
@@ -103,6 +111,43 @@ def _moe_preprocess_capacity(config: Config, ctx: RuleContext) -> str | None:
     ):
         return "moe_preprocess graphs would capture host syncs of alltoall with a capacity factor"
     return None
+
+
+@rule(
+    "whole_layer_graphs_need_drop_and_pad",
+    source="megatron-core",
+    summary="graphs of whole MoE layers need drop-and-pad MoE (dropless dispatch waits on the host)",
+)
+def _whole_layer_graphs_need_drop_and_pad(config: Config, ctx: RuleContext) -> str | None:
+    # megatron-core checks this for the moe scope only; an empty scope (or a full-iteration
+    # graph) captures the same dispatch, and on 0.19.2 its capture fails (cudaErrorCapturedEvent
+    # at the dispatcher's device-to-host event, measured on the H200).
+    if graphs_whole_layer(config) and not ctx.model.drop_and_pad:
+        graphs = "a full-iteration graph" if config.cuda_graph_impl == "full_iteration" else "whole-layer graphs"
+        return (
+            f"{graphs} would capture the dropless MoE dispatch of {ctx.model.name}, which waits on a "
+            "device-to-host copy, so capture fails; needs drop-and-pad MoE"
+        )
+    return None
+
+
+@rule(
+    "local_graph_scope_captures_a_layer",
+    source="autotune",
+    summary="local graphs whose scope captures no layer of the model are a no-op duplicate of no graphs",
+)
+def _local_scope_captures_a_layer(config: Config, ctx: RuleContext) -> str | None:
+    if config.cuda_graph_impl != "local" or not config.cuda_graph_scope:
+        return None
+    scope = graph_scope(config)
+    if scope & ctx.trainable.moe_layer_graph_scopes or (ctx.model.has_dense_layers and scope & {"attn", "mlp"}):
+        return None
+    listed = " ".join(config.cuda_graph_scope)
+    graphing = "/".join(sorted(ctx.trainable.moe_layer_graph_scopes))
+    return (
+        f"local graphs of scope [{listed}] capture nothing in {ctx.model.name}: its layers are MoE, and the "
+        f"{ctx.trainable.name} trainable graphs a MoE layer only for {graphing} in the scope"
+    )
 
 
 @rule("mlp_scope_needs_dense_layers", source="megatron-core", summary="the mlp graph scope needs dense layers")

@@ -29,8 +29,9 @@ from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import MoETransformerLayer, get_transformer_layer_offset
 from torch import nn
 
 from autotune.model import ModelSpec
@@ -126,8 +127,7 @@ class MegatronMoEVLM(MegatronModule):
             )
         self.language_model = GPTModel(
             config=decoder_config,
-            transformer_layer_spec=get_gpt_decoder_block_spec(decoder_config, use_transformer_engine=use_te,
-                                                              normalization="RMSNorm"),
+            transformer_layer_spec=decoder_block_spec(decoder_config, use_te),
             vocab_size=spec.vocab_size,
             max_sequence_length=spec.seq_length,
             pre_process=pre_process,
@@ -170,6 +170,25 @@ class MegatronMoEVLM(MegatronModule):
         batch_first = embeddings.transpose(0, 1)
         slots = (tokens == IMAGE)[..., None]
         return batch_first.masked_scatter(slots, projected.to(embeddings.dtype)).transpose(0, 1).contiguous()
+
+
+def decoder_block_spec(config: TransformerConfig, use_te: bool) -> TransformerBlockSubmodules:
+    """megatron-core's GPT decoder block spec for this pipeline stage, its MoE layers built as
+    ``MoETransformerLayer`` (as megatron-core's hybrid specs do).
+
+    Why: the GPT specs build MoE layers as plain ``TransformerLayer``s, and on those local CUDA
+    graphs either capture nothing (scope ``moe_router moe_preprocess``) or capture the whole layer
+    (scope ``attn``), dropless dispatch and its device-to-host sync included, which fails at
+    capture (measured on megatron-core 0.19.2). ``MoETransformerLayer`` is the class whose local
+    graphs capture the router and the postprocess and run the expert dispatch eagerly.
+    """
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
+    offset = get_transformer_layer_offset(config)
+    block.layer_specs = [
+        dataclasses.replace(spec, module=MoETransformerLayer) if config.moe_layer_freq[offset + index] else spec
+        for index, spec in enumerate(block.layer_specs)
+    ]
+    return block
 
 
 def packed_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:

@@ -25,4 +25,5 @@ SUPPORT = TrainableSupport(
         "cuda_graph_scope": frozenset({"attn", "moe_router", "moe_preprocess"}),
     },
     cuda_only={"cuda_graph_impl": frozenset({"local"})},
+    moe_layer_graph_scopes=frozenset({"attn", "moe_router", "moe_preprocess"}),
 )
