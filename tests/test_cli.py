@@ -41,7 +41,7 @@ def test_validate_rejects_a_campaign_whose_space_is_all_rejected(tmp_path: Path)
     path.write_text(text.replace("space: h200_single", f"space: {Path('search_spaces/h200_single.yaml').resolve()}"))
     result = autotune("validate", str(path))
     assert result.returncode == 2
-    assert "space: the rules reject all 160 configs of h200_single" in result.stderr
+    assert "space: the rules reject all 80 configs of h200_single" in result.stderr
 
 
 def test_space_show_json_groups_rejections_by_rule() -> None:

@@ -19,6 +19,7 @@ from autotune.rules import violations
 
 CPU_DEMO = load_space(Path("search_spaces/cpu_demo.yaml"))
 H200 = load_space(Path("search_spaces/h200_single.yaml"))
+PARALLEL_3D = load_space(Path("search_spaces/parallel_3d.yaml"))  # tunes the graph scope
 
 
 def fake_value(config) -> float:
@@ -26,7 +27,7 @@ def fake_value(config) -> float:
     return 100.0 * config.micro_batch_size + (50.0 if config.freeze_vision_model else 0.0)
 
 
-@pytest.mark.parametrize("space", [CPU_DEMO, H200], ids=["cpu_demo", "h200_single"])
+@pytest.mark.parametrize("space", [CPU_DEMO, H200, PARALLEL_3D], ids=["cpu_demo", "h200_single", "parallel_3d"])
 def test_suggested_configs_are_the_space_and_parameters_follow_conditions(space) -> None:
     proposer = Proposer(space, target_context(space), None, "t", sampler="random", use_rules=False)
     grid = set(space.configs())
@@ -35,7 +36,8 @@ def test_suggested_configs_are_the_space_and_parameters_follow_conditions(space)
         config = suggest_config(trial, space)
         assert config in grid
         assert ("recompute_modules" in trial.params) == (config.recompute_granularity == "selective")
-        assert ("cuda_graph_scope" in trial.params) == (config.cuda_graph_impl == "local")
+        graphs = config.cuda_graph_impl in ("local", "transformer_engine")
+        assert ("cuda_graph_scope" in trial.params) == ("cuda_graph_scope" in space.tuned and graphs)
         proposer.study.tell(trial, 0.0)
 
 

@@ -35,11 +35,11 @@ def test_shipped_space_loads_with_accepted_warm_starts(path: Path) -> None:
 
 def test_h200_single_grid_counts() -> None:
     space = load_space(Path("search_spaces/h200_single.yaml"))
-    # MBS 4 x recompute (none, 3 selective sets, full) 5 x graphs (none, local x 3 scopes) 4 x frozen 2
-    assert space.size() == 160
+    # MBS 4 x recompute (none, 3 selective sets, full) 5 x graphs (none, local with the fixed scope) 2 x frozen 2
+    assert space.size() == 80
     survey = survey_space(space, target_context(space))
-    # full recompute with per-layer graphs: 4 MBS x 3 scopes x 2 = 24, Megatron's rule
-    assert survey.rejected_by_rule == {"full_recompute_needs_full_iteration_graphs": 24}
+    # full recompute with per-layer graphs: 4 MBS x 2 frozen = 8, Megatron's rule
+    assert survey.rejected_by_rule == {"full_recompute_needs_full_iteration_graphs": 8}
 
 
 def test_conditional_knobs_expand_only_where_active() -> None:
