@@ -15,8 +15,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from autotune._paths import BUILTIN_CAMPAIGNS_DIR
-from autotune.contract import Accelerator, DataRealism, StackCapabilities, TrainableSupport
+from autotune.contract import Accelerator, BurstRequest, DataRealism, DataSpec, StackCapabilities, TrainableSupport
 from autotune.errors import InputFileError
+from autotune.knobs import Config
 from autotune.model import ModelSpec
 from autotune.resolve import resolve_model, resolve_trainable
 from autotune.rules import RuleContext
@@ -141,6 +142,9 @@ class SearchSection(_Strict):
     warm_start_from: list[str] = Field(default_factory=list)
     """Earlier run directories: their best finished configs are re-measured first, and the
     configs that ran out of memory there are avoided here."""
+    memory_model: bool = True
+    """Reject before launch the configs the memory model, calibrated on this campaign's peaks,
+    predicts over the GPU memory limit (autotune/memory_model.py)."""
 
 
 class WorkflowSection(_Strict):
@@ -168,6 +172,9 @@ class CampaignFile(_Strict):
     output_dir: str
 
 
+GIB = 2**30
+
+
 @dataclass(frozen=True)
 class Campaign:
     """A loaded campaign: the file's settings with the space, model and rule context resolved."""
@@ -180,6 +187,9 @@ class Campaign:
     trainable: TrainableSupport
     next_space: SearchSpace | None = None
     """The workflow's second space, when the campaign has one."""
+    replay_table: Path | None = None
+    """Replay this recorded table instead of training (the search benchmark sets it): trials run
+    the replay trainable on no device, charged the recorded device-seconds."""
 
     @property
     def spaces(self) -> tuple[SearchSpace, ...]:
@@ -197,6 +207,33 @@ class Campaign:
     @property
     def output_dir(self) -> Path:
         return Path(self.spec.output_dir)
+
+    @property
+    def trials_at_once(self) -> int:
+        """How many trials the campaign's cluster runs side by side."""
+        hardware = self.spec.hardware
+        return hardware.gpus_per_node * hardware.nodes // hardware.gpus_per_trial
+
+    def burst_request(self, config: Config, steps: int) -> BurstRequest:
+        """A burst of ``config`` as this campaign runs it: its model, data, trial size and caps
+        (built-in photos are built on first use; a replay reads no data)."""
+        from autotune.bursts import data_folder
+
+        spec, hardware = self.spec, self.spec.hardware
+        folder = Path(spec.data.path or ".") if self.replay_table is not None else \
+            data_folder(spec.data.source, spec.data.path, self.path.parent)
+        return BurstRequest(
+            config=config,
+            model=self.model,
+            data=DataSpec(str(folder.resolve()), spec.data.realism),
+            steps=steps,
+            world_size=hardware.gpus_per_trial,
+            seed=spec.search.seed,
+            data_workers=hardware.data_workers,
+            memory_cap_fraction=hardware.memory_cap_fraction,
+            cpu_memory_cap_bytes=None if hardware.cpu_memory_cap_gib is None else int(hardware.cpu_memory_cap_gib * GIB),
+            replay_table=None if self.replay_table is None else str(self.replay_table),
+        )
 
 
 def builtin_campaign_path(name: str) -> Path:

@@ -135,6 +135,9 @@ class StepReport:
     """The run's evidence as of this step (see :attr:`BurstResult.evidence`)."""
     contract: dict | None = None
     """The measurement contract, with the first step's report only."""
+    elapsed_seconds: float | None = None
+    """A replayed burst's recorded seconds since launch (start-up included), which the tuner
+    charges instead of its own clock; ``None`` for a burst that spends real time."""
 
 
 Reporter = Callable[[StepReport], bool]
@@ -153,6 +156,8 @@ class BurstResult:
     """What the run observed of its knobs (recompute active, frozen params without grads, EP
     group size…), so promotion can check the knobs took effect. Its ``checks`` entry maps each
     knob the trainable verified to whether the observation matched the config."""
+    elapsed_seconds: float | None = None
+    """A replayed burst's recorded seconds in all (see :attr:`StepReport.elapsed_seconds`)."""
 
 
 @dataclass(frozen=True)
@@ -173,3 +178,5 @@ class BurstRequest:
     """On the CPU: address space each rank may add once its model and loader are built
     (``RLIMIT_AS``), so training steps that need more fail to allocate: a real OOM boundary.
     Capped ranks run in fresh processes, whose heaps hold no freed memory to reuse uncounted."""
+    replay_table: str | None = None
+    """The replay trainable's recorded table (autotune/tables.py); other trainables ignore it."""

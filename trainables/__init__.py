@@ -35,9 +35,18 @@ def trainable_support(name: str) -> TrainableSupport:
     return importlib.import_module(_SUPPORT_MODULES[name]).SUPPORT
 
 
+REPLAY = "replay"
+"""The replay trainable: serves a recorded table (``request.replay_table``) on no device; what it
+honours is what the recorded trainable honoured."""
+
+
 def burst_runner(name: str) -> Callable[..., BurstResult]:
     """The function that runs one burst of the trainable ``name`` on this machine's devices:
     ``runner(request, reporter=None)``."""
+    if name == REPLAY:
+        from trainables.replay.burst import run_replay
+
+        return run_replay
     trainable_support(name)  # an unknown name is a clear error here
     from trainables.launch import run_local
 

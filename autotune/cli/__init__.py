@@ -27,11 +27,12 @@ error_console = Console(stderr=True)
 
 
 def _register() -> None:
-    from autotune.cli import (burst_cmd, data_cmd, export_cmd, knobs_cmd, probe_cmd, run_cmd, space_cmd,
-                              validate_cmd)
+    from autotune.cli import (bench_cmd, burst_cmd, data_cmd, export_cmd, knobs_cmd, probe_cmd, run_cmd,
+                              space_cmd, validate_cmd)
 
     app.add_typer(space_cmd.app, name="space")
     app.add_typer(data_cmd.app, name="data")
+    app.add_typer(bench_cmd.app, name="bench")
     app.command("run")(run_cmd.run)
     app.command("resume")(run_cmd.resume)
     app.command("validate")(validate_cmd.validate)

@@ -17,23 +17,20 @@ from typing import Any
 import ray
 from ray import tune
 
-from autotune.bursts import data_folder
 from autotune.campaign import Campaign
-from autotune.contract import BurstRequest, DataSpec
 from autotune.engine.ledger import Ledger, Stage
 from autotune.engine.live import LiveView
-from autotune.engine.probe import apply_probe, probe_cluster
+from autotune.engine.probe import apply_probe, probe_cluster, recorded_probes
 from autotune.engine.promotion import Verdict, decide, leaderboard, projected_headroom, promotion_candidates
 from autotune.engine.rundir import LEADERBOARD_FILE, PROBE_FILE, SPEND_FILE, WINNER_FILE, RunDir, open_run_dir
 from autotune.engine.trial import TrialJob, run_trial
 from autotune.errors import AutotuneError
 from autotune.export import document
 from autotune.knobs import complete_config
+from autotune.memory_model import MemoryModel
 from autotune.search.proposer import Proposer, journal_storage
 from autotune.space import SearchSpace
-
-
-GIB = 2**30
+from trainables import REPLAY
 
 
 @dataclass(frozen=True)
@@ -55,7 +52,9 @@ def connect(address: str | None) -> None:
 
 
 def run_campaign(campaign: Campaign, run_dir: RunDir, view: LiveView) -> CampaignOutcome:
-    probes = probe_cluster("GPU" if campaign.stack.has_cuda else None)
+    # A replay judges configs against the stack its table was recorded on.
+    probes = recorded_probes(campaign.replay_table) if campaign.replay_table is not None else \
+        probe_cluster("GPU" if campaign.stack.has_cuda else None)
     run_dir.write_json(PROBE_FILE, probes)
     campaign, changes = apply_probe(campaign, probes)
     for change in changes:
@@ -69,7 +68,8 @@ def run_campaign(campaign: Campaign, run_dir: RunDir, view: LiveView) -> Campaig
         benchmark_only=spec.data.realism == "mock",
     )
     job = _trial_job(campaign, run_dir)
-    _tune_space(campaign, campaign.space, campaign.spec.name, run_dir, ledger, job, view)
+    limit = memory_limit_bytes(campaign, probes)
+    _tune_space(campaign, campaign.space, campaign.spec.name, run_dir, ledger, job, view, limit)
     if campaign.next_space is not None:
         headroom = projected_headroom(ledger.launched("promote", campaign.space.name),
                                       campaign.next_space.reachable.model_tflops_per_s_per_gpu)
@@ -83,7 +83,7 @@ def run_campaign(campaign: Campaign, run_dir: RunDir, view: LiveView) -> Campaig
             view.note(f"{campaign.next_space.name}: projected headroom {100 * headroom:+.1f}% "
                       f"(over {100 * threshold:.0f}%), tuning it")
             _tune_space(campaign, campaign.next_space, f"{spec.name}:{campaign.next_space.name}", run_dir, ledger,
-                        job, view)
+                        job, view, limit)
     verdict = decide(ledger.launched("promote"))
     run_dir.write_json(LEADERBOARD_FILE, leaderboard(ledger.entries, verdict))
     spend = ledger.spend()
@@ -93,8 +93,18 @@ def run_campaign(campaign: Campaign, run_dir: RunDir, view: LiveView) -> Campaig
     return CampaignOutcome(run_dir, verdict, spend)
 
 
+def memory_limit_bytes(campaign: Campaign, probes: list[dict]) -> float | None:
+    """What one device may hold: the cap's share of the smallest probed GPU. ``None`` on the CPU,
+    where reported peaks (the ranks' resident sets) and the cap (address space added after the
+    build) are not the same measure."""
+    devices = [p["device_memory_bytes"] for p in probes if p.get("device_memory_bytes")]
+    if campaign.stack.accelerator == "cpu" or not devices:
+        return None
+    return (campaign.spec.hardware.memory_cap_fraction or 1.0) * min(devices)
+
+
 def _tune_space(campaign: Campaign, space: SearchSpace, study_name: str, run_dir: RunDir, ledger: Ledger,
-                job: TrialJob, view: LiveView) -> None:
+                job: TrialJob, view: LiveView, memory_limit: float | None) -> None:
     """Screen ``space`` within the budget, then promote its best configs."""
     from autotune.engine.tune_roles import Budget, BudgetStopper, ListSearcher, ScreeningScheduler, StudySearcher
 
@@ -102,6 +112,8 @@ def _tune_space(campaign: Campaign, space: SearchSpace, study_name: str, run_dir
     proposer = Proposer(
         space, campaign.rule_context, journal_storage(str(run_dir.study_path)), study_name,
         sampler=spec.search.sampler, seed=spec.search.seed, startup_trials=spec.search.startup_trials,
+        memory=MemoryModel(campaign.model, spec.hardware.gpus_per_trial, memory_limit) if spec.search.memory_model
+        else None,
     )
     proposer.enqueue_warm_starts()
     for earlier in spec.search.warm_start_from:
@@ -138,26 +150,18 @@ def resume_campaign(path: Path, view: LiveView) -> CampaignOutcome:
 def _trial_job(campaign: Campaign, run_dir: RunDir) -> TrialJob:
     spec = campaign.spec
     hardware = spec.hardware
-    folder = data_folder(spec.data.source, spec.data.path, campaign.path.parent)
-    template = BurstRequest(
-        config=complete_config({}, defaults=campaign.space.fixed),  # each trial brings its own
-        model=campaign.model,
-        data=DataSpec(str(folder.resolve()), spec.data.realism),
-        steps=spec.stages.screen_steps,
-        world_size=hardware.gpus_per_trial,
-        seed=spec.search.seed,
-        data_workers=hardware.data_workers,
-        memory_cap_fraction=hardware.memory_cap_fraction,
-        cpu_memory_cap_bytes=None if hardware.cpu_memory_cap_gib is None else int(hardware.cpu_memory_cap_gib * GIB),
-    )
+    # each trial brings its own config and steps
+    template = campaign.burst_request(complete_config({}, defaults=campaign.space.fixed), spec.stages.screen_steps)
+    replay = campaign.replay_table is not None
     return TrialJob(
-        trainable=spec.trainable,
+        trainable=REPLAY if replay else spec.trainable,
         request=template,
-        launcher=hardware.resolved_launcher,
+        launcher="local" if replay else hardware.resolved_launcher,
         objective=spec.objective,
-        use_gpu=hardware.accelerator != "cpu",
+        use_gpu=hardware.accelerator != "cpu" and not replay,
         storage_path=str(run_dir.ray_storage / "train"),
         data_source=spec.data.source,
+        max_concurrent=campaign.trials_at_once if replay else None,
     )
 
 
@@ -179,7 +183,8 @@ def _concurrency(job: TrialJob) -> int:
             f"the Ray cluster has {', '.join(f'{k}={v:g}' for k, v in sorted(total.items()) if k in per_trial)} "
             f"in all, but one trial needs {', '.join(f'{k}={v:g}' for k, v in sorted(per_trial.items()))}"
         )
-    return max(1, fits(ray.available_resources()))
+    at_once = max(1, fits(ray.available_resources()))
+    return at_once if job.max_concurrent is None else min(at_once, job.max_concurrent)
 
 
 def _run_stage(stage: Stage, job: TrialJob, run_dir: RunDir, view: LiveView, *,

@@ -42,6 +42,12 @@ class LiveTrial:
     evidence: dict = field(default_factory=dict)
     end: dict | None = None
     decision: ScreenDecision | None = None
+    replayed_seconds: float | None = None
+    """A replayed burst's recorded seconds so far: charged instead of the wall clock."""
+
+    def charged_seconds(self) -> float:
+        """Seconds of each of the trial's devices spent so far."""
+        return time.monotonic() - self.started if self.replayed_seconds is None else self.replayed_seconds
 
 
 class Ledger:
@@ -78,6 +84,8 @@ class Ledger:
             trial.end = payload
         trial.evidence = payload.get("evidence") or trial.evidence
         trial.contract = payload.get("contract") or trial.contract
+        if payload.get("elapsed_seconds") is not None:
+            trial.replayed_seconds = payload["elapsed_seconds"]
         return trial
 
     def finish(self, trial_id: str, *, errored: bool) -> dict[str, Any]:
@@ -91,7 +99,6 @@ class Ledger:
                 if trial.decision is not None and trial.decision.estimate is not None
                 else steady_state(trial.objective, min_warmup=self.warmup_steps, target_relative_half_width=self.target)
             )
-        wall = time.monotonic() - trial.started
         window = slice(estimate.warmup_steps, None) if estimate is not None else slice(0, 0)
         seconds = sum(trial.step_seconds[window])
         entry = {
@@ -110,8 +117,8 @@ class Ledger:
             "model_tflops_per_s_per_gpu": sum(trial.model_flops[window]) / seconds / self.world_size / 1e12
             if seconds > 0 else None,
             "peak_memory_bytes": trial.peak_memory_bytes or None,
-            "wall_seconds": wall,
-            "device_seconds": wall * self.world_size,
+            "wall_seconds": time.monotonic() - trial.started,
+            "device_seconds": trial.charged_seconds() * self.world_size,
             "benchmark_only": self.benchmark_only,
             "evidence": trial.evidence,
             "contract": None if trial.contract is None else trial.contract | {
@@ -173,7 +180,7 @@ class Ledger:
         return max(finished, key=lambda e: e["objective"]) if finished else None
 
     def device_seconds(self) -> float:
-        running = sum(time.monotonic() - t.started for t in self.live.values()) * self.world_size
+        running = sum(t.charged_seconds() for t in self.live.values()) * self.world_size
         return sum(e["device_seconds"] for e in self.entries) + running
 
     def counts(self) -> Counter:

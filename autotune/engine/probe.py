@@ -4,12 +4,15 @@ the rules judge configs against what is installed rather than what the campaign 
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from autotune.campaign import Campaign
 from autotune.errors import AutotuneError
+from autotune.tables import load_table
 
 SOFTWARE_FIELDS = ("megatron_core", "transformer_engine", "deep_ep", "hybrid_ep")
 
@@ -30,6 +33,15 @@ def probe_cluster(accelerator_resource: str | None) -> list[dict]:
                        scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote()
         for n in nodes
     ])
+
+
+def recorded_probes(table_path: Path) -> list[dict]:
+    """The stack a recorded table ran on, as one probe per distinct recorded stack."""
+    stacks = {json.dumps(row.contract["stack"], sort_keys=True) for row in load_table(table_path).rows.values()
+              if "stack" in row.contract}
+    if not stacks:
+        raise AutotuneError(f"{table_path}: no row records the stack it ran on (contract.stack)")
+    return [json.loads(stack) for stack in sorted(stacks)]
 
 
 def apply_probe(campaign: Campaign, probes: list[dict]) -> tuple[Campaign, list[str]]:

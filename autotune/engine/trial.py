@@ -26,10 +26,13 @@ from ray import tune
 from autotune.bursts import data_folder
 from autotune.contract import BurstRequest, BurstResult, StepReport
 from autotune.knobs import complete_config
+from trainables import REPLAY
 
 
 TRIAL_DRIVER_CPU = 0.01
 """What a ``ray_train`` trial's own process holds: it only waits for its worker group."""
+REPLAY_TRIAL_CPU = 0.01
+"""What a replay trial holds: it reads a table; ``TrialJob.max_concurrent`` sets how many run at once."""
 COLLECTIVE_TIMEOUT_S = 300
 
 
@@ -48,14 +51,20 @@ class TrialJob:
 
     data_source: str
     """The campaign's ``data.source``: built-in photos are built on first use on each node."""
+    max_concurrent: int | None = None
+    """At most this many trials at once (a replay keeps the recorded cluster's concurrency)."""
 
     def request_for(self, params: dict[str, Any]) -> BurstRequest:
+        request = replace(self.request, config=complete_config(params["config"]), steps=params["steps"])
+        if self.trainable == REPLAY:
+            return request
         folder = data_folder(self.data_source, self.request.data.folder, Path.cwd())
-        return replace(self.request, config=complete_config(params["config"]), steps=params["steps"],
-                       data=replace(self.request.data, folder=str(folder)))
+        return replace(request, data=replace(self.request.data, folder=str(folder)))
 
     def trial_resources(self) -> dict[str, float]:
         """What Tune reserves for the trial's own process."""
+        if self.trainable == REPLAY:
+            return {"CPU": REPLAY_TRIAL_CPU}
         slots = self.request.world_size
         if self.launcher == "ray_train":
             return {"CPU": TRIAL_DRIVER_CPU}
@@ -81,7 +90,8 @@ def step_result(report: StepReport, objective: str, world_size: int) -> dict[str
     flattens nested result dicts, and the driver wants them back as they were."""
     record = report.record
     value = objective_value(objective, record.tokens_per_second, record.model_flops, record.step_seconds, world_size)
-    payload = {"record": asdict(record), "evidence": report.evidence, "contract": report.contract}
+    payload = {"record": asdict(record), "evidence": report.evidence, "contract": report.contract,
+               "elapsed_seconds": report.elapsed_seconds}
     return {"event": "step", "objective": value, "payload": json.dumps(payload)}
 
 
@@ -91,6 +101,7 @@ def end_result(result: BurstResult) -> dict[str, Any]:
         "error": None if result.error is None else result.error[-4000:],
         "evidence": result.evidence,
         "contract": result.contract,
+        "elapsed_seconds": result.elapsed_seconds,
     }
     return {"event": "end", "payload": json.dumps(payload)}
 

@@ -19,6 +19,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from autotune.campaign import SamplerName
 from autotune.knobs import Config, complete_config
+from autotune.memory_model import MemoryModel
 from autotune.rules import RuleContext, violations
 from autotune.search.encoding import config_params, suggest_config
 from autotune.search.memory import needs_at_least_as_much_memory
@@ -86,9 +87,10 @@ class Proposer:
         startup_trials: int = 4,
         use_rules: bool = True,
         use_oom_feedback: bool = True,
+        memory: MemoryModel | None = None,
         max_asks: int = 500,
     ) -> None:
-        self.space, self.context = space, context
+        self.space, self.context, self.memory = space, context, memory
         self.use_rules, self.use_oom_feedback, self.max_asks = use_rules, use_oom_feedback, max_asks
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         self.study = optuna.create_study(
@@ -175,6 +177,9 @@ class Proposer:
                 self._infeasible(trial, config, "oom_predicted",
                                  f"needs at least the memory of {self.space.describe(oom)}, which ran out")
                 continue
+            if self.use_oom_feedback and self.memory is not None and (why := self.memory.rejection(config)):
+                self._infeasible(trial, config, "oom_predicted", why)
+                continue
             if any(p.config == config for p, _ in self.running.values()):
                 self.study.tell(trial, state=TrialState.FAIL)  # already running: not a result
                 continue
@@ -236,6 +241,8 @@ class Proposer:
         self.finished.setdefault(config, trial)
         if trial.user_attrs.get("outcome") == "oom":
             self.out_of_memory.append(config)
+        elif self.memory is not None and trial.user_attrs.get("peak_memory_bytes"):
+            self.memory.observe(config, trial.user_attrs["peak_memory_bytes"])
 
     def _dominated_oom(self, config: Config) -> Config | None:
         return next((oom for oom in self.out_of_memory if needs_at_least_as_much_memory(config, oom)), None)

@@ -1,0 +1,117 @@
+"""Recorded tables: every config of a space, each run once for real, one burst per JSON line.
+
+A table is what the replay trainable serves and what the search benchmark scores methods
+against, so it must be complete: a config its space holds but the table lacks is an error, never
+a guess. Each line::
+
+    {"config": {canonical knob names -> values}, "outcome": "ok"|"oom"|"invalid"|"failed",
+     "step_seconds": [every step, warm-up included], "useful_tokens_per_step": int,
+     "peak_memory_gib": float|null, "startup_seconds": float, "error": str|null, "contract": {...}}
+
+``startup_seconds`` is everything the burst cost besides its steps (launch, build, teardown):
+the burst's wall time less the sum of ``step_seconds``. A burst costs ``startup_seconds +
+sum(step_seconds)`` seconds of each of its ``contract["world_size"]`` devices.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from autotune.errors import AutotuneError, KnobError
+from autotune.knobs import Config, complete_config
+from autotune.space import SearchSpace
+
+RecordedOutcome = Literal["ok", "oom", "invalid", "failed"]
+
+
+class TableError(AutotuneError):
+    """A table file that cannot be read, or that lacks what its user needs."""
+
+
+class RecordedBurst(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    config: dict[str, Any]
+    outcome: RecordedOutcome
+    step_seconds: list[float] = Field(description="every step, warm-up included")
+    useful_tokens_per_step: int = Field(ge=0)
+    peak_memory_gib: float | None = Field(ge=0)
+    startup_seconds: float = Field(ge=0)
+    error: str | None
+    contract: dict[str, Any]
+
+    @property
+    def cost_seconds(self) -> float:
+        """Seconds of each of the burst's devices."""
+        return self.startup_seconds + sum(self.step_seconds)
+
+    @property
+    def world_size(self) -> int:
+        return int(self.contract["world_size"])
+
+
+@dataclass(frozen=True)
+class RecordedTable:
+    path: Path
+    rows: dict[Config, RecordedBurst]
+
+    def row(self, config: Config) -> RecordedBurst:
+        try:
+            return self.rows[config]
+        except KeyError:
+            raise TableError(f"{self.path}: no recorded burst for {config.describe()}") from None
+
+    def missing(self, space: SearchSpace) -> list[Config]:
+        """The configs of ``space`` this table lacks."""
+        return [config for config in space.configs() if config not in self.rows]
+
+    def require_complete(self, space: SearchSpace) -> None:
+        missing = self.missing(space)
+        if missing:
+            raise TableError(
+                f"{self.path}: {len(missing)} of the {space.size()} configs of space {space.name} are not "
+                f"recorded, e.g. {missing[0].describe()}; record them (bench/record_table.py resumes)"
+            )
+
+
+def load_table(path: Path) -> RecordedTable:
+    """Read and validate a table; errors name the file, the line and the field."""
+    if not path.is_file():
+        raise TableError(f"{path}: no such table file")
+    rows: dict[Config, RecordedBurst] = {}
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            row = RecordedBurst.model_validate(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise TableError(f"{where}: not a JSON object ({exc.msg})") from None
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            field = ".".join(str(part) for part in first["loc"]) or "line"
+            raise TableError(f"{where}: {field}: {first['msg']}") from None
+        try:
+            config = complete_config(row.config)
+        except KnobError as exc:
+            raise TableError(f"{where}: config.{exc.knob}: {exc.message}") from None
+        if config in rows:
+            raise TableError(f"{where}: {config.describe()} is recorded twice")
+        if "world_size" not in row.contract:
+            raise TableError(f"{where}: contract.world_size: missing (the devices one burst ran on)")
+        rows[config] = row
+    if not rows:
+        raise TableError(f"{path}: the table is empty")
+    return RecordedTable(path=path, rows=rows)
+
+
+def append_row(path: Path, row: RecordedBurst) -> None:
+    """Append one recorded burst (a recorder resumes by skipping configs already in the file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as file:
+        file.write(row.model_dump_json() + "\n")

@@ -1,0 +1,88 @@
+"""Record a table (autotune/tables.py): every config of a campaign's space, run once for real with
+the campaign's trainable, model, data, trial size and memory caps, one JSON line per burst.
+
+  python bench/record_table.py --campaign campaigns/cpu_demo.yaml --steps 30 --out bench/data/cpu_native_vlm.jsonl
+  python bench/record_table.py --campaign campaigns/h200_single.yaml --steps 30 --out bench/data/h200_megatron_vlm.jsonl
+
+Rules are not applied: a config a rule would reject runs too, and the table keeps what the
+trainable did with it (a baseline without our rules pays for it). It resumes: configs already in
+``--out`` are skipped, and each row is appended when its burst ends, so a killed recording loses at
+most the burst in flight. ``--limit`` records at most that many new rows per call (to fit a
+device session); ``--order config|shuffled`` picks which first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import random
+import time
+from pathlib import Path
+
+from rich.progress import Progress
+
+from autotune.bursts import run_burst
+from autotune.campaign import load_campaign
+from autotune.tables import RecordedBurst, append_row, load_table
+from trainables.probe import probe
+
+GIB = 2**30
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--campaign", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=30, help="steps per burst, warm-up included")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--limit", type=int, default=None, help="record at most this many new rows")
+    parser.add_argument("--order", choices=("config", "shuffled"), default="shuffled",
+                        help="shuffled (seeded) spreads a partial recording over the whole space")
+    args = parser.parse_args()
+
+    campaign = load_campaign(args.campaign)
+    recorded = set(load_table(args.out).rows) if args.out.is_file() and args.out.stat().st_size else set()
+    todo = [config for config in campaign.space.configs() if config not in recorded]
+    if args.order == "shuffled":
+        random.Random(0).shuffle(todo)
+    todo = todo[: args.limit] if args.limit is not None else todo
+    stack = probe()
+    print(f"{campaign.space.name}: {campaign.space.size()} configs, {len(recorded)} recorded, recording {len(todo)}")
+    with Progress() as progress:
+        task = progress.add_task("recording", total=len(todo))
+        for config in todo:
+            request = campaign.burst_request(config, args.steps)
+            load_before = os.getloadavg()[0]
+            started = time.perf_counter()
+            result = run_burst(campaign.spec.trainable, request)
+            wall = time.perf_counter() - started
+            steps = [record.step_seconds for record in result.records]
+            row = RecordedBurst(
+                config=config.to_plain(),
+                outcome=result.outcome,  # never `pruned`: nothing stops a recorded burst
+                step_seconds=steps,
+                useful_tokens_per_step=round(sum(r.useful_tokens for r in result.records) / len(steps)) if steps else 0,
+                peak_memory_gib=max(r.peak_memory_bytes for r in result.records) / GIB if steps else None,
+                startup_seconds=max(0.0, wall - sum(steps)),
+                error=None if result.error is None else result.error[-2000:],
+                contract=(result.contract or {}) | {
+                    "trainable": campaign.spec.trainable,
+                    "world_size": request.world_size,
+                    "space": campaign.space.name,
+                    "campaign": str(args.campaign),
+                    "model_preset": campaign.model.name,
+                    "memory_cap_fraction": request.memory_cap_fraction,
+                    "cpu_memory_cap_bytes": request.cpu_memory_cap_bytes,
+                    "data_realism": request.data.realism,
+                    "stack": stack,
+                    "recorded_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                    "load_average_1m_before": load_before,
+                },
+            )
+            append_row(args.out, row)
+            progress.console.print(f"{config.describe()}: {row.outcome} {len(steps)} steps {wall:.0f} s", markup=False)
+            progress.advance(task)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""Recorded tables and the replay trainable: a table is read strictly, a replay serves what was
+recorded (warm-up as recorded, steady steps drawn from the recorded steady steps, outcomes as
+recorded) and its recorded seconds, not the wall clock, are what the ledger charges."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from autotune.campaign import load_campaign
+from autotune.contract import BurstRequest, BurstResult, DataSpec, StepRecord, StepReport
+from autotune.engine.ledger import Ledger
+from autotune.engine.rundir import create_run_dir
+from autotune.engine.trial import end_result, step_result
+from autotune.knobs import complete_config
+from autotune.model import model_preset
+from autotune.space import load_space
+from autotune.tables import RecordedBurst, TableError, append_row, load_table
+from conftest import campaign_file
+from trainables.replay.burst import run_replay, warmup_steps
+
+CPU_DEMO = load_space(Path("search_spaces/cpu_demo.yaml"))
+WARMUP = [3.0, 1.5]
+STEADY = [1.00, 1.02, 0.98, 1.01, 0.99, 1.03, 0.97, 1.00]
+
+
+def row(outcome: str = "ok", steps: list[float] | None = None, **config) -> RecordedBurst:
+    steps = WARMUP + STEADY if steps is None else steps
+    return RecordedBurst(
+        config=complete_config(config).to_plain(), outcome=outcome, step_seconds=steps,
+        useful_tokens_per_step=1000, peak_memory_gib=2.5 if steps else None, startup_seconds=12.0,
+        error=None if outcome == "ok" else "OutOfMemoryError: out of memory", contract={"world_size": 2},
+    )
+
+
+def table(tmp_path: Path, *rows: RecordedBurst) -> Path:
+    path = tmp_path / "table.jsonl"
+    for recorded in rows:
+        append_row(path, recorded)
+    return path
+
+
+def request(path: Path, steps: int, seed: int = 0, **config) -> BurstRequest:
+    return BurstRequest(config=complete_config(config), model=model_preset("cpu_tiny_moe_vlm"),
+                        data=DataSpec("unused"), steps=steps, world_size=2, seed=seed, replay_table=str(path))
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("{not json", "table.jsonl:2: not a JSON object"),
+        (json.dumps({"outcome": "ok"}), "table.jsonl:2: config: Field required"),
+        (row().model_dump_json().replace('"ok"', '"great"'), "table.jsonl:2: outcome: Input should be"),
+        (row(micro_batch_size=2).model_dump_json().replace("micro_batch_size", "micro_batch"),
+         "table.jsonl:2: config.micro_batch: unknown knob"),
+        (row().model_dump_json(), "table.jsonl:2: defaults is recorded twice"),
+        (row(micro_batch_size=4).model_dump_json().replace('{"world_size":2}', "{}"),
+         "table.jsonl:2: contract.world_size: missing"),
+    ],
+    ids=["json", "missing-field", "bad-outcome", "unknown-knob", "duplicate", "no-world-size"],
+)
+def test_a_bad_line_is_an_error_naming_the_file_line_and_field(tmp_path, line: str, message: str) -> None:
+    path = table(tmp_path, row())
+    with path.open("a") as file:
+        file.write(line + "\n")
+    with pytest.raises(TableError) as info:
+        load_table(path)
+    assert message in str(info.value)
+
+
+def test_a_space_config_the_table_lacks_is_an_error(tmp_path) -> None:
+    recorded = load_table(table(tmp_path, row(moe_token_dispatcher_type="alltoall")))
+    with pytest.raises(TableError, match=f"{CPU_DEMO.size() - 1} of the {CPU_DEMO.size()} configs"):
+        recorded.require_complete(CPU_DEMO)
+
+
+def test_replay_keeps_the_warmup_and_draws_steady_steps_from_the_recorded_ones(tmp_path) -> None:
+    path = table(tmp_path, row())
+    assert warmup_steps(load_table(path).row(complete_config({}))) == len(WARMUP)
+    result = run_replay(request(path, 40))
+    seconds = [record.step_seconds for record in result.records]
+    assert result.outcome == "ok" and len(seconds) == 40
+    assert seconds[:2] == WARMUP and set(seconds[2:]) <= set(STEADY) and len(set(seconds[2:])) > 3
+    assert result.elapsed_seconds == pytest.approx(12.0 + sum(seconds))
+    assert all(record.useful_tokens == 1000 for record in result.records)
+    # Seeded: the same request replays identically; another seed or length draws differently.
+    assert run_replay(request(path, 40)).records == result.records
+    assert [r.step_seconds for r in run_replay(request(path, 40, seed=1)).records] != seconds
+    assert [r.step_seconds for r in run_replay(request(path, 41)).records][:40] != seconds
+
+
+def test_replay_ends_as_recorded_and_stops_when_told(tmp_path) -> None:
+    path = table(tmp_path, row(), row("oom", [2.0], micro_batch_size=8))
+    oom = run_replay(request(path, 10, micro_batch_size=8))
+    assert (oom.outcome, len(oom.records), oom.elapsed_seconds) == ("oom", 1, 14.0)
+    assert "out of memory" in oom.error
+    reports: list[StepReport] = []
+    stopped = run_replay(request(path, 10), lambda report: reports.append(report) or len(reports) < 3)
+    assert stopped.outcome == "pruned" and len(stopped.records) == 3
+    assert [r.elapsed_seconds for r in reports] == pytest.approx([15.0, 16.5, 16.5 + stopped.records[2].step_seconds])
+    assert reports[0].contract["replayed_from"] == str(path) and reports[1].contract is None
+
+
+def test_the_ledger_charges_replayed_seconds_not_its_clock(tmp_path) -> None:
+    campaign = load_campaign(campaign_file(tmp_path, max_trials=1))
+    ledger = Ledger(create_run_dir(campaign, tmp_path / "runs"), world_size=2, warmup_steps=1,
+                    target_relative_half_width=0.02, benchmark_only=False)
+    config = complete_config({})
+    ledger.start("t1", "screen", campaign.space.name, config, 0, "sampler")
+    record = StepRecord(step=0, step_seconds=1.0, data_wait_seconds=0.0, vision_seconds=0.0, projector_seconds=0.0,
+                        decoder_seconds=0.0, useful_tokens=1000, image_tokens=0, loss_tokens=0, samples=0,
+                        model_flops=0.0, peak_memory_bytes=0, loss=0.0)
+    for step in range(6):
+        report = StepReport(replace(record, step=step), {}, elapsed_seconds=100.0 + step)
+        ledger.record("t1", step_result(report, campaign.spec.objective, 2))
+    assert ledger.device_seconds() == pytest.approx(2 * 105.0)
+    ledger.record("t1", end_result(BurstResult("ok", elapsed_seconds=130.0)))
+    entry = ledger.finish("t1", errored=False)
+    assert entry["device_seconds"] == pytest.approx(260.0)
+    assert entry["wall_seconds"] < 60.0

@@ -1,0 +1,79 @@
+"""Serve a recorded burst through the burst contract, in no time.
+
+A replayed burst reports the recorded warm-up steps as they were, then steady steps drawn with
+replacement from the recorded steady steps (where warm-up ends is found on the recorded throughput,
+as the tuner finds it), seeded by the request's seed, the config and the number of steps asked, so
+a screen and a promotion of one config draw differently and a run replays identically. Outcomes are
+the recorded ones: an OOM after k steps replays k steps and ends ``oom``. Time is virtual: every
+report carries the seconds the recorded burst had spent by then, start-up included, and the tuner
+charges those instead of its clock, so a campaign replays in seconds what took device-hours.
+
+Per-stage times and FLOPs are not in a table: they replay as zero (a replay measures the tuner,
+never the model).
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+from pathlib import Path
+
+from autotune.contract import BurstRequest, BurstResult, Reporter, StepRecord, StepReport
+from autotune.steady import steady_state
+from autotune.tables import RecordedBurst, RecordedTable, load_table
+
+GIB = 2**30
+RECORDED_WARMUP_MIN = 1
+"""The fewest recorded steps taken as warm-up (the first step builds graphs and caches)."""
+
+
+@functools.lru_cache(maxsize=8)
+def _table(path: str, modified: float) -> RecordedTable:
+    return load_table(Path(path))
+
+
+def table_for(request: BurstRequest) -> RecordedTable:
+    if request.replay_table is None:
+        raise ValueError("a replay burst needs the request's replay_table")
+    path = Path(request.replay_table)
+    return _table(str(path), path.stat().st_mtime)
+
+
+def warmup_steps(row: RecordedBurst) -> int:
+    """Recorded steps before the steady window (all of them when no window is found)."""
+    throughput = [row.useful_tokens_per_step / s for s in row.step_seconds]
+    estimate = steady_state(throughput, min_warmup=RECORDED_WARMUP_MIN)
+    return len(row.step_seconds) if estimate is None else estimate.warmup_steps
+
+
+def replayed_step_seconds(row: RecordedBurst, steps: int, seed: int, key: str) -> list[float]:
+    """The step times a replay of ``steps`` steps reports (fewer when the recorded burst ended early)."""
+    recorded = row.step_seconds
+    if row.outcome != "ok":
+        return recorded[:steps]
+    warmup = warmup_steps(row)
+    steady = recorded[warmup:] or recorded
+    draw = random.Random(f"{seed}:{key}:{steps}")
+    return [recorded[i] if i < warmup else draw.choice(steady) for i in range(steps)]
+
+
+def run_replay(request: BurstRequest, reporter: Reporter | None = None) -> BurstResult:
+    row = table_for(request).row(request.config)
+    contract = row.contract | {"replayed_from": request.replay_table}
+    elapsed = row.startup_seconds
+    records: list[StepRecord] = []
+    peak = int((row.peak_memory_gib or 0.0) * GIB)
+    for step, seconds in enumerate(replayed_step_seconds(row, request.steps, request.seed, request.config.describe())):
+        elapsed += seconds
+        record = StepRecord(
+            step=step, step_seconds=seconds, data_wait_seconds=0.0, vision_seconds=0.0, projector_seconds=0.0,
+            decoder_seconds=0.0, useful_tokens=row.useful_tokens_per_step, image_tokens=0, loss_tokens=0,
+            samples=0, model_flops=0.0, peak_memory_bytes=peak, loss=0.0,
+        )
+        records.append(record)
+        report = StepReport(record, evidence={}, contract=contract if step == 0 else None, elapsed_seconds=elapsed)
+        if reporter is not None and not reporter(report):
+            return BurstResult("pruned", tuple(records), contract, elapsed_seconds=elapsed)
+    outcome = row.outcome
+    return BurstResult(outcome, tuple(records), contract if outcome == "ok" else None, row.error,
+                       elapsed_seconds=elapsed)
