@@ -24,6 +24,7 @@ from autotune.contract import BurstRequest, BurstResult, Reporter, StepRecord, S
 from trainables.data.loader import MicroBatch, rank_loader
 from trainables.flops import CONVENTION, step_flops
 from trainables.stage_clock import StageClock
+from trainables.step_loop import run_steps
 
 
 OOM_ERRORS = (torch.OutOfMemoryError,)
@@ -203,13 +204,7 @@ def run_rank(request: BurstRequest, device: torch.device, reporter: Reporter | N
     records: list[StepRecord] = []
     try:
         run = build_run(request, device)
-        outcome = "ok"
-        for step in range(request.steps):
-            record, stop = _train_step(run, step, reporter)
-            records.append(record)
-            if stop:
-                outcome = "pruned"
-                break
+        outcome = run_steps(request.steps, lambda step, run=run: _train_step(run, step, reporter), records)
         return BurstResult(outcome=outcome, records=tuple(records), contract=_contract(run), evidence=run.evidence())
     except InvalidConfig as exc:
         return BurstResult(outcome="invalid", error=str(exc))

@@ -26,6 +26,7 @@ from autotune.contract import BurstRequest, BurstResult, Reporter, StepRecord, S
 from trainables.data.loader import MicroBatch, rank_loader
 from trainables.native.cuda_graphs import apply_cuda_graphs
 from trainables.stage_clock import StageClock
+from trainables.step_loop import run_steps
 from trainables.flops import CONVENTION, step_flops
 from trainables.native.model import GroupedExperts, MoEVLM
 from trainables.native.parallelize import (
@@ -147,15 +148,9 @@ def run_rank(request: BurstRequest, device: torch.device, reporter: Reporter | N
         return _release(BurstResult(outcome="failed", error=traceback.format_exc()), device)
 
     records: list[StepRecord] = []
-    outcome = "ok"
     try:
         with _cpu_memory_cap(device, request.cpu_memory_cap_bytes):
-            for step in range(request.steps):
-                record, stop = _train_step(run, step, reporter)
-                records.append(record)
-                if stop:
-                    outcome = "pruned"
-                    break
+            outcome = run_steps(request.steps, lambda step: _train_step(run, step, reporter), records)
     except OOM_ERRORS as exc:
         return _release(BurstResult(outcome="oom", records=tuple(records), error=f"{type(exc).__name__}: {exc}"), device)
     except RuntimeError as exc:
