@@ -124,6 +124,9 @@ class MemoryModel:
     world_size: int
     limit_bytes: float | None
     observations: list[tuple[MemoryTerms, float]] = field(default_factory=list)
+    _calibrated_on: int = field(default=-1, init=False, repr=False)
+    _coefficients: np.ndarray = field(default=None, init=False, repr=False)
+    _error: float = field(default=0.0, init=False, repr=False)
 
     def observe(self, config: Config, peak_bytes: float) -> None:
         if peak_bytes > 0:
@@ -145,21 +148,28 @@ class MemoryModel:
     def calibrated(self) -> bool:
         return len(self.observations) >= MIN_OBSERVATIONS
 
+    def _calibration(self) -> tuple[np.ndarray, float]:
+        """Coefficients and leave-one-out error, fitted once per new peak rather than per
+        proposal (the search asks about every config it proposes; peaks are only appended)."""
+        if self._calibrated_on != len(self.observations):
+            errors = []
+            for index, (terms, peak) in enumerate(self.observations):
+                rest = self.observations[:index] + self.observations[index + 1:]
+                errors.append(abs(self._apply(terms, self._fit(rest)) - peak) / peak)
+            self._calibrated_on = len(self.observations)
+            self._coefficients, self._error = self._fit(self.observations), max(errors)
+        return self._coefficients, self._error
+
     def predict(self, config: Config) -> float | None:
         """Peak bytes per device, once calibrated."""
         if not self.calibrated:
             return None
-        return self._apply(memory_terms(config, self.model, self.world_size), self._fit(self.observations))
+        coefficients, _ = self._calibration()
+        return self._apply(memory_terms(config, self.model, self.world_size), coefficients)
 
     def error(self) -> float | None:
         """The largest leave-one-out relative error of the calibrated model."""
-        if not self.calibrated:
-            return None
-        errors = []
-        for index, (terms, peak) in enumerate(self.observations):
-            rest = self.observations[:index] + self.observations[index + 1:]
-            errors.append(abs(self._apply(terms, self._fit(rest)) - peak) / peak)
-        return max(errors)
+        return self._calibration()[1] if self.calibrated else None
 
     def rejection(self, config: Config) -> str | None:
         """Why ``config`` surely exceeds the limit, or ``None``."""

@@ -66,18 +66,28 @@ def true_rate(row: RecordedBurst) -> float:
     """A recorded burst's steady useful tokens/s per device (0 for a burst that did not finish)."""
     if row.outcome != "ok":
         return 0.0
-    throughput = [row.useful_tokens_per_step / seconds for seconds in row.step_seconds]
-    estimate = steady_state(throughput, min_warmup=1)
-    return (estimate.mean if estimate is not None else statistics.mean(throughput)) / row.world_size
+    estimate = steady_state(row.throughput, min_warmup=1)
+    return (estimate.mean if estimate is not None else statistics.mean(row.throughput)) / row.world_size
 
 
-def truth(campaign: Campaign, table: RecordedTable) -> dict[Config, float]:
-    """Each deployable config's recorded steady rate over the best one's."""
+@dataclass(frozen=True)
+class Truth:
+    """The table's verdict: each deployable config's recorded steady rate, and the best of them."""
+
+    rates: dict[Config, float]
+    best: float
+
+    def ratio(self, config: Config) -> float:
+        """Over the best; 0 for a config Megatron would not run."""
+        return self.rates.get(config, 0.0) / self.best
+
+
+def truth(campaign: Campaign, table: RecordedTable) -> Truth:
     rates = {config: true_rate(row) for config, row in table.rows.items() if deployable(campaign, config)}
     best = max(rates.values(), default=0.0)
     if best <= 0:
         raise TableError(f"{table.path}: no deployable config finished")
-    return {config: rate / best for config, rate in rates.items()}
+    return Truth(rates, best)
 
 
 @dataclass
@@ -105,7 +115,7 @@ def replay_campaign(table: RecordedTable, seed: int, output_dir: Path, memory_mo
     path = Path(recorded.pop())
     if not path.is_file():
         raise TableError(f"{table.path}: its campaign {path} is not here (run from the folder it was recorded in)")
-    campaign, _ = apply_probe(load_campaign(path), recorded_probes(table.path))
+    campaign, _ = apply_probe(load_campaign(path), recorded_probes(table))
     table.require_complete(campaign.space)
     spec = campaign.spec.model_copy(update={
         "search": campaign.spec.search.model_copy(update={"seed": seed, "memory_model": memory_model}),
@@ -117,20 +127,19 @@ def replay_campaign(table: RecordedTable, seed: int, output_dir: Path, memory_mo
 class Replayer:
     """Screens and promotes configs of one campaign by replaying its table, without the engine."""
 
-    def __init__(self, campaign: Campaign, table: RecordedTable, seed: int) -> None:
-        self.campaign, self.table, self.seed = campaign, table, seed
+    def __init__(self, campaign: Campaign, table: RecordedTable, truth: Truth, seed: int) -> None:
+        self.campaign, self.table, self.truth, self.seed = campaign, table, truth, seed
         self.run = burst_runner(REPLAY)
-        self.truth = truth(campaign, table)
 
     def ratio(self, config: Config) -> float:
-        return self.truth.get(config, 0.0)
+        return self.truth.ratio(config)
 
     def burst(self, config: Config, steps: int) -> tuple[float, float | None, str]:
         """Device-seconds, steady estimate per device (``None`` unless it finished) and outcome."""
-        request = dataclasses.replace(self.campaign.burst_request(config, steps), seed=self.seed)
-        if not deployable(self.campaign, config):
+        if config not in self.truth.rates:  # Megatron would reject it at construction
             row = self.table.row(config)
             return row.startup_seconds * row.world_size, None, "invalid"
+        request = dataclasses.replace(self.campaign.burst_request(config, steps), seed=self.seed)
         result = self.run(request)
         cost = (result.elapsed_seconds or 0.0) * request.world_size
         if result.outcome != "ok":
@@ -164,7 +173,7 @@ def run_grid(replayer: Replayer) -> Trace:
     """Every config screened; its cost (with the best one's promotion) is the benchmark's unit."""
     configs = iter(replayer.campaign.space.configs())
     trace = replayer.search(lambda: next(configs, None), lambda config, value: None, budget=float("inf"))
-    best = max(replayer.truth, key=replayer.truth.get)
+    best = max(replayer.truth.rates, key=replayer.truth.rates.get)
     trace.spent += replayer.burst(best, replayer.campaign.spec.stages.promote_steps)[0]
     return trace
 
@@ -199,16 +208,14 @@ def run_tpe(replayer: Replayer, seed: int, budget: float) -> Trace:
     return replayer.search(propose, tell, budget)
 
 
-def run_autotune(campaign: Campaign, table: RecordedTable) -> Trace:
+def run_autotune(campaign: Campaign, verdict: Truth) -> Trace:
     """Our engine on Ray Tune, replaying; the trace read from its run directory in finishing order
     (the recorded campaigns run one trial at a time)."""
     run_dir = create_run_dir(campaign)
     with LiveView(Console(file=StringIO()), campaign.space, campaign.spec.objective) as view:
         outcome = run_campaign(campaign, run_dir, view)
-    ratios = truth(campaign, table)
-
     def ratio(config: dict[str, Any]) -> float:
-        return ratios.get(complete_config(config), 0.0)
+        return verdict.ratio(complete_config(config))
 
     trace = Trace()
     for entry in run_dir.trials.read():
@@ -230,13 +237,14 @@ def benchmark(table: RecordedTable, seeds: int) -> dict[str, Any]:
     traces: dict[str, list[Trace]] = {"autotune": [], "autotune_no_memory_model": [], "random": [], "tpe": []}
     with tempfile.TemporaryDirectory(prefix="autotune-bench-") as folder:
         first = replay_campaign(table, 0, Path(folder))
-        grid = run_grid(Replayer(first, table, 0))
+        verdict = truth(first, table)
+        grid = run_grid(Replayer(first, table, verdict, 0))
         for seed in range(seeds):
             campaign = replay_campaign(table, seed, Path(folder))
-            traces["autotune"].append(run_autotune(campaign, table))
+            traces["autotune"].append(run_autotune(campaign, verdict))
             without = replay_campaign(table, seed, Path(folder), memory_model=False)
-            traces["autotune_no_memory_model"].append(run_autotune(without, table))
-            replayer = Replayer(campaign, table, seed)
+            traces["autotune_no_memory_model"].append(run_autotune(without, verdict))
+            replayer = Replayer(campaign, table, verdict, seed)
             traces["random"].append(run_random(replayer, seed, budget=grid.spent))
             traces["tpe"].append(run_tpe(replayer, seed, budget=grid.spent))
     # Each seed's budget is what our tuner spent on it: the baselines are judged at the same spend.
@@ -246,7 +254,7 @@ def benchmark(table: RecordedTable, seeds: int) -> dict[str, Any]:
         "configs": len(table.rows),
         "seeds": seeds,
         "grid_gpu_seconds": grid.spent,
-        "best_tokens_per_s": max(true_rate(table.row(c)) for c in truth(first, table)),  # per device
+        "best_tokens_per_s": verdict.best,  # per device
         "median_budget_gpu_seconds": statistics.median(budgets),
         "methods": {name: _summary(runs, grid.spent, budgets) for name, runs in traces.items()},
     }

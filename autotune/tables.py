@@ -46,6 +46,11 @@ class RecordedBurst(BaseModel):
     contract: dict[str, Any]
 
     @property
+    def throughput(self) -> list[float]:
+        """Useful tokens/s of every recorded step."""
+        return [self.useful_tokens_per_step / seconds for seconds in self.step_seconds]
+
+    @property
     def cost_seconds(self) -> float:
         """Seconds of each of the burst's devices."""
         return self.startup_seconds + sum(self.step_seconds)

@@ -31,13 +31,9 @@ TARGET_SHARE = 0.90
 LONG_RUN_STEPS = 120
 
 
-def throughput(row: RecordedBurst) -> list[float]:
-    return [row.useful_tokens_per_step / seconds for seconds in row.step_seconds]
-
-
 def screened_estimate(row: RecordedBurst, screen_steps: int, warmup_steps: int, target: float) -> tuple[float, int] | None:
     """The estimate a screening trial of this row ends with, and the steps it ran (no pruning)."""
-    values = throughput(row)[:screen_steps]
+    values = row.throughput[:screen_steps]
     decision = None
     for steps in range(1, len(values) + 1):
         decision = screen(values[:steps], best=None, min_warmup=warmup_steps, target_relative_half_width=target)
@@ -61,7 +57,7 @@ def main() -> None:
     for config, long_row in long.rows.items():
         if len(long_row.step_seconds) < LONG_RUN_STEPS or long_row.outcome != "ok":
             raise TableError(f"{args.long}: {config.describe()} is not an ok run of >= {LONG_RUN_STEPS} steps")
-        truth = steady_state(throughput(long_row), min_warmup=stages.warmup_steps)
+        truth = steady_state(long_row.throughput, min_warmup=stages.warmup_steps)
         screened = screened_estimate(table.row(config), stages.screen_steps, stages.warmup_steps,
                                      stages.target_relative_half_width)
         if screened is None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from autotune.knobs import complete_config
-from autotune.search_benchmark import REACH, Replayer, replay_campaign, run_autotune, run_grid, run_random
+from autotune.search_benchmark import REACH, Replayer, replay_campaign, run_autotune, run_grid, run_random, truth
 from autotune.tables import RecordedBurst, append_row, load_table
 from conftest import campaign_file
 from trainables.probe import probe
@@ -64,11 +64,12 @@ def test_a_config_megatron_rejects_is_charged_its_start_up_and_never_best(tmp_pa
                 faster = [s / 3 for s in row.step_seconds] if ep == 2 and fsdp2 else row.step_seconds
                 append_row(path, row.model_copy(update={"config": config.to_plain(), "step_seconds": faster}))
     table = load_table(path)
-    replayer = Replayer(replay_campaign(table, 0, tmp_path / "runs"), table, 0)
+    campaign = replay_campaign(table, 0, tmp_path / "runs")
+    replayer = Replayer(campaign, table, truth(campaign, table), 0)
     rejected = complete_config({"micro_batch_size": 2, "expert_model_parallel_size": 2, "use_torch_fsdp2": True,
                                 "moe_token_dispatcher_type": "alltoall"})
     assert replayer.burst(rejected, 8) == (2 * STARTUP, None, "invalid")
-    assert rejected not in replayer.truth and max(replayer.truth.values()) == 1.0
+    assert rejected not in replayer.truth.rates and max(map(replayer.ratio, replayer.truth.rates)) == 1.0
 
 
 @pytest.fixture
@@ -83,9 +84,9 @@ def ray_local():
 def test_the_grid_is_charged_every_screen_and_one_promotion(small_table: Path) -> None:
     table = load_table(small_table)
     campaign = replay_campaign(table, 0, small_table.parent / "runs")
-    replayer = Replayer(campaign, table, 0)
-    best = max(replayer.truth, key=replayer.truth.get)
-    assert (best.micro_batch_size, best.freeze_vision_model) == (4, True) and replayer.truth[best] == 1.0
+    replayer = Replayer(campaign, table, truth(campaign, table), 0)
+    best = max(replayer.truth.rates, key=replayer.ratio)
+    assert (best.micro_batch_size, best.freeze_vision_model) == (4, True) and replayer.ratio(best) == 1.0
     stages = campaign.spec.stages
     screens = sum(replayer.burst(config, stages.screen_steps)[0] for config in table.rows)
     grid = run_grid(replayer)
@@ -102,7 +103,7 @@ def test_the_engine_replays_the_table_charging_recorded_seconds(small_table: Pat
     monkeypatch.chdir(small_table.parent)
     table = load_table(Path(small_table.name))  # a relative path, as users give it; trials run elsewhere
     campaign = replay_campaign(table, 0, small_table.parent / "runs")
-    trace = run_autotune(campaign, table)
+    trace = run_autotune(campaign, truth(campaign, table))
     run_dir = next((small_table.parent / "runs").iterdir())
     entries = [json.loads(line) for line in (run_dir / "trials.jsonl").read_text().splitlines()]
     launched = [entry for entry in entries if entry["launched"]]

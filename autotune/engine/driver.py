@@ -30,6 +30,7 @@ from autotune.knobs import complete_config
 from autotune.memory_model import MemoryModel
 from autotune.search.proposer import Proposer, journal_storage
 from autotune.space import SearchSpace
+from autotune.tables import load_table
 from trainables import REPLAY
 
 
@@ -53,7 +54,7 @@ def connect(address: str | None) -> None:
 
 def run_campaign(campaign: Campaign, run_dir: RunDir, view: LiveView) -> CampaignOutcome:
     # A replay judges configs against the stack its table was recorded on.
-    probes = recorded_probes(campaign.replay_table) if campaign.replay_table is not None else \
+    probes = recorded_probes(load_table(campaign.replay_table)) if campaign.replay_table is not None else \
         probe_cluster("GPU" if campaign.stack.has_cuda else None)
     run_dir.write_json(PROBE_FILE, probes)
     campaign, changes = apply_probe(campaign, probes)

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from autotune.campaign import Campaign
 from autotune.errors import AutotuneError
-from autotune.tables import load_table
+from autotune.tables import RecordedTable
 
 SOFTWARE_FIELDS = ("megatron_core", "transformer_engine", "deep_ep", "hybrid_ep")
 
@@ -35,12 +34,12 @@ def probe_cluster(accelerator_resource: str | None) -> list[dict]:
     ])
 
 
-def recorded_probes(table_path: Path) -> list[dict]:
+def recorded_probes(table: RecordedTable) -> list[dict]:
     """The stack a recorded table ran on, as one probe per distinct recorded stack."""
-    stacks = {json.dumps(row.contract["stack"], sort_keys=True) for row in load_table(table_path).rows.values()
+    stacks = {json.dumps(row.contract["stack"], sort_keys=True) for row in table.rows.values()
               if "stack" in row.contract}
     if not stacks:
-        raise AutotuneError(f"{table_path}: no row records the stack it ran on (contract.stack)")
+        raise AutotuneError(f"{table.path}: no row records the stack it ran on (contract.stack)")
     return [json.loads(stack) for stack in sorted(stacks)]
 
 

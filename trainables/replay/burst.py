@@ -41,8 +41,7 @@ def table_for(request: BurstRequest) -> RecordedTable:
 
 def warmup_steps(row: RecordedBurst) -> int:
     """Recorded steps before the steady window (all of them when no window is found)."""
-    throughput = [row.useful_tokens_per_step / s for s in row.step_seconds]
-    estimate = steady_state(throughput, min_warmup=RECORDED_WARMUP_MIN)
+    estimate = steady_state(row.throughput, min_warmup=RECORDED_WARMUP_MIN)
     return len(row.step_seconds) if estimate is None else estimate.warmup_steps
 
 
