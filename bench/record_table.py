@@ -7,7 +7,9 @@ the campaign's trainable, model, data, trial size and memory caps, one JSON line
 Rules are not applied: a config a rule would reject runs too, and the table keeps what the
 trainable did with it (a baseline without our rules pays for it). It resumes: configs already in
 ``--out`` are skipped, and each row is appended when its burst ends, so a killed recording loses at
-most the burst in flight. ``--limit`` records at most that many new rows per call (to fit a
+most the burst in flight. Failed bursts are held back while they come in a row: ``--stop-after-failures``
+of them in a row mean the harness or the machine is broken, not the configs, so the recording stops
+without writing them (a later call runs them again). ``--limit`` records at most that many new rows per call (to fit a
 device session); ``--order config|shuffled`` picks which first.
 """
 
@@ -36,6 +38,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="steps per burst, warm-up included")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--limit", type=int, default=None, help="record at most this many new rows")
+    parser.add_argument("--stop-after-failures", type=int, default=3,
+                        help="stop after this many failed bursts in a row, writing none of them")
     parser.add_argument("--order", choices=("config", "shuffled"), default="shuffled",
                         help="shuffled (seeded) spreads a partial recording over the whole space")
     args = parser.parse_args()
@@ -48,6 +52,7 @@ def main() -> None:
     todo = todo[: args.limit] if args.limit is not None else todo
     stack = probe()
     print(f"{campaign.space.name}: {campaign.space.size()} configs, {len(recorded)} recorded, recording {len(todo)}")
+    held: list[RecordedBurst] = []
     with Progress() as progress:
         task = progress.add_task("recording", total=len(todo))
         for config in todo:
@@ -79,9 +84,20 @@ def main() -> None:
                     "load_average_1m_before": load_before,
                 },
             )
-            append_row(args.out, row)
             progress.console.print(f"{config.describe()}: {row.outcome} {len(steps)} steps {wall:.0f} s", markup=False)
             progress.advance(task)
+            if row.outcome == "failed":
+                held.append(row)
+                if len(held) >= args.stop_after_failures:
+                    progress.console.print(f"{len(held)} bursts failed in a row; stopping without recording them. "
+                                           f"The last error:\n{row.error}", markup=False)
+                    raise SystemExit(1)
+                continue
+            for finished in [*held, row]:
+                append_row(args.out, finished)
+            held.clear()
+    for finished in held:  # failures that ended the list but not a streak
+        append_row(args.out, finished)
 
 
 if __name__ == "__main__":

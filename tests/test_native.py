@@ -194,6 +194,12 @@ def test_unexpected_error_is_failed_with_traceback(photo_shards: Path, monkeypat
     assert result.outcome == "failed" and "Traceback" in result.error and "kernel exploded" in result.error
 
 
+def test_a_rank_that_cannot_start_reports_why(photo_shards: Path) -> None:
+    result = run_local(request(photo_shards, world_size=2), trainable="no_such_trainable")
+    assert result.outcome == "failed"
+    assert "could not start" in result.error and "no rank runner" in result.error
+
+
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_reporter_sees_every_step_and_prunes_the_burst(photo_shards: Path, world_size: int) -> None:
     seen = []

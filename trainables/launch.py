@@ -15,6 +15,7 @@ import socket
 import sys
 import tempfile
 import time
+import traceback
 from datetime import timedelta
 from pathlib import Path
 
@@ -77,20 +78,23 @@ def _rank_main(
     _die_with_parent()
     if os.getppid() == 1:  # orphaned before the signal was armed
         return
-    torch.set_num_threads(cpu_threads_per_rank(world_size))
-    device = device_for(rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(
-        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=RANK_TIMEOUT
-    )
-    from trainables import rank_runner
-
     try:
-        result = rank_runner(trainable)(request, device, reporter if rank == 0 else None)
-    finally:
-        dist.destroy_process_group()
+        torch.set_num_threads(cpu_threads_per_rank(world_size))
+        device = device_for(rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=RANK_TIMEOUT
+        )
+        from trainables import rank_runner
+
+        try:
+            result = rank_runner(trainable)(request, device, reporter if rank == 0 else None)
+        finally:
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - a rank that cannot start reports why instead of an exit code
+        result = BurstResult(outcome="failed", error=f"rank {rank} could not start:\n{traceback.format_exc()}")
     Path(out_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
 
 
