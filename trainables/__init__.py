@@ -17,6 +17,11 @@ from autotune.errors import AutotuneError
 if TYPE_CHECKING:
     import torch
 
+REPLAY = "replay"
+"""The replay trainable: serves a recorded table (``request.replay_table``) on no device; what it
+honours is what the recorded trainable honoured."""
+
+
 _SUPPORT_MODULES = {
     "native": "trainables.native.capabilities",
     "megatron": "trainables.megatron.capabilities",
@@ -24,6 +29,7 @@ _SUPPORT_MODULES = {
 _RANK_RUNNERS = {
     "native": "trainables.native.burst:run_rank",
     "megatron": "trainables.megatron.burst:run_rank",
+    REPLAY: "trainables.replay.burst:run_replay_rank",
 }
 TRAINABLES = tuple(_SUPPORT_MODULES)
 
@@ -33,11 +39,6 @@ def trainable_support(name: str) -> TrainableSupport:
     if name not in _SUPPORT_MODULES:
         raise AutotuneError(f"unknown trainable {name!r}; known trainables: {', '.join(_SUPPORT_MODULES)}")
     return importlib.import_module(_SUPPORT_MODULES[name]).SUPPORT
-
-
-REPLAY = "replay"
-"""The replay trainable: serves a recorded table (``request.replay_table``) on no device; what it
-honours is what the recorded trainable honoured."""
 
 
 def burst_runner(name: str) -> Callable[..., BurstResult]:

@@ -20,6 +20,7 @@ from ray import tune
 from autotune.campaign import Campaign
 from autotune.engine.ledger import Ledger, Stage
 from autotune.engine.live import LiveView
+from autotune.engine.placement import DomainPlanner
 from autotune.engine.probe import apply_probe, probe_cluster, recorded_probes
 from autotune.engine.promotion import Verdict, decide, leaderboard, projected_headroom, promotion_candidates
 from autotune.engine.rundir import LEADERBOARD_FILE, PROBE_FILE, SPEND_FILE, WINNER_FILE, RunDir, open_run_dir
@@ -70,7 +71,8 @@ def run_campaign(campaign: Campaign, run_dir: RunDir, view: LiveView) -> Campaig
     )
     job = _trial_job(campaign, run_dir)
     limit = memory_limit_bytes(campaign, probes)
-    _tune_space(campaign, campaign.space, campaign.spec.name, run_dir, ledger, job, view, limit)
+    planner = _domain_planner(job, view)
+    _tune_space(campaign, campaign.space, campaign.spec.name, run_dir, ledger, job, view, limit, planner)
     if campaign.next_space is not None:
         headroom = projected_headroom(ledger.launched("promote", campaign.space.name),
                                       campaign.next_space.reachable.model_tflops_per_s_per_gpu)
@@ -84,7 +86,7 @@ def run_campaign(campaign: Campaign, run_dir: RunDir, view: LiveView) -> Campaig
             view.note(f"{campaign.next_space.name}: projected headroom {100 * headroom:+.1f}% "
                       f"(over {100 * threshold:.0f}%), tuning it")
             _tune_space(campaign, campaign.next_space, f"{spec.name}:{campaign.next_space.name}", run_dir, ledger,
-                        job, view, limit)
+                        job, view, limit, planner)
     verdict = decide(ledger.launched("promote"))
     run_dir.write_json(LEADERBOARD_FILE, leaderboard(ledger.entries, verdict))
     spend = ledger.spend()
@@ -104,8 +106,19 @@ def memory_limit_bytes(campaign: Campaign, probes: list[dict]) -> float | None:
     return (campaign.spec.hardware.memory_cap_fraction or 1.0) * min(devices)
 
 
+def _domain_planner(job: TrialJob, view: LiveView) -> DomainPlanner | None:
+    """NVLink-domain placement for trials whose GPU workers Ray Train places (several nodes)."""
+    if job.launcher != "ray_train" or not job.use_gpu:
+        return None
+    planner = DomainPlanner.from_nodes(ray.nodes())
+    if not planner.capacity:
+        return None
+    view.note("NVLink domains: " + ", ".join(f"{d} ({gpus} GPUs)" for d, gpus in sorted(planner.capacity.items())))
+    return planner
+
+
 def _tune_space(campaign: Campaign, space: SearchSpace, study_name: str, run_dir: RunDir, ledger: Ledger,
-                job: TrialJob, view: LiveView, memory_limit: float | None) -> None:
+                job: TrialJob, view: LiveView, memory_limit: float | None, planner: DomainPlanner | None) -> None:
     """Screen ``space`` within the budget, then promote its best configs."""
     from autotune.engine.tune_roles import Budget, BudgetStopper, ListSearcher, ScreeningScheduler, StudySearcher
 
@@ -126,7 +139,8 @@ def _tune_space(campaign: Campaign, space: SearchSpace, study_name: str, run_dir
     if budget.trials_left() and not budget.exhausted():
         _run_stage(
             "screen", job, run_dir, view,
-            searcher=StudySearcher(proposer, ledger, budget, spec.stages.screen_steps),
+            searcher=StudySearcher(proposer, ledger, budget, spec.stages.screen_steps, planner,
+                                   job.request.world_size),
             scheduler=ScreeningScheduler(ledger, campaign, screening=True),
             samples=budget.trials_left(), stopper=BudgetStopper(budget, ledger),
         )
@@ -137,7 +151,8 @@ def _tune_space(campaign: Campaign, space: SearchSpace, study_name: str, run_dir
         view.note(f"promoting {len(candidates)} config(s) of {space.name} for {spec.stages.promote_steps} steps")
         _run_stage(
             "promote", job, run_dir, view,
-            searcher=ListSearcher(candidates, ledger, space.name, spec.stages.promote_steps),
+            searcher=ListSearcher(candidates, ledger, space.name, spec.stages.promote_steps, planner,
+                                  job.request.world_size),
             scheduler=ScreeningScheduler(ledger, campaign, screening=False),
             samples=len(candidates), stopper=None,
         )
@@ -154,12 +169,15 @@ def _trial_job(campaign: Campaign, run_dir: RunDir) -> TrialJob:
     # each trial brings its own config and steps
     template = campaign.burst_request(complete_config({}, defaults=campaign.space.fixed), spec.stages.screen_steps)
     replay = campaign.replay_table is not None
+    # A replay runs in the driver's node unless the campaign asks for Ray Train explicitly: then
+    # its workers hold the recorded trial's slots on the cluster (a rehearsal of its scheduling).
+    rehearsal = replay and hardware.launcher == "ray_train"
     return TrialJob(
         trainable=REPLAY if replay else spec.trainable,
         request=template,
-        launcher="local" if replay else hardware.resolved_launcher,
+        launcher=hardware.resolved_launcher if rehearsal or not replay else "local",
         objective=spec.objective,
-        use_gpu=hardware.accelerator != "cpu" and not replay,
+        use_gpu=hardware.accelerator != "cpu" and (rehearsal or not replay),
         storage_path=str(run_dir.ray_storage / "train"),
         data_source=spec.data.source,
         max_concurrent=campaign.trials_at_once if replay else None,

@@ -11,7 +11,9 @@ Ranks start one of two ways (the campaign's ``hardware.launcher``):
 - ``local``: the trainable's local launcher spawns the ranks on the trial's node (gloo on the
   CPU, NCCL on GPUs); the trial holds all of their CPU/GPU slots.
 - ``ray_train``: a ``TorchTrainer`` worker group, one worker per rank, on any nodes; Ray Train sets
-  up ``torch.distributed`` and Tune receives rank 0's reports through ``TuneReportCallback``.
+  up ``torch.distributed`` and Tune receives rank 0's reports through ``TuneReportCallback``. The
+  searcher's ``placement`` (each worker's NVLink domain, :mod:`autotune.engine.placement`) becomes
+  the workers' label selectors, and the contract records where each rank ran.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from ray import tune
 
 from autotune.bursts import data_folder
 from autotune.contract import BurstRequest, BurstResult, StepReport
+from autotune.engine.placement import NVLINK_DOMAIN_LABEL, label_selectors
 from autotune.knobs import complete_config
 from trainables import REPLAY
 
@@ -152,9 +155,12 @@ def _run_on_ray_train(job: TrialJob, request: BurstRequest, params: dict[str, An
         _worker_loop,
         train_loop_config={"job": job, "request": request},
         scaling_config=ScalingConfig(
-            num_workers=request.world_size, use_gpu=job.use_gpu, resources_per_worker=job.worker_resources()
+            num_workers=request.world_size, use_gpu=job.use_gpu, resources_per_worker=job.worker_resources(),
+            label_selector=label_selectors(params.get("placement")),
         ),
-        torch_config=TorchConfig(backend="nccl" if job.use_gpu else "gloo", timeout_s=COLLECTIVE_TIMEOUT_S),
+        # A replay does no GPU work: its ranks talk over gloo wherever they are.
+        torch_config=TorchConfig(backend="nccl" if job.use_gpu and job.trainable != REPLAY else "gloo",
+                                 timeout_s=COLLECTIVE_TIMEOUT_S),
         run_config=RunConfig(
             name=f"burst-{tune.get_context().get_trial_id()}",
             storage_path=job.storage_path,
@@ -171,20 +177,35 @@ def _worker_loop(config: dict[str, Any]) -> None:
     """One Ray Train worker: run this rank of the burst; rank 0's reports reach Tune.
 
     Every rank reports every step (Ray Train gathers one report per rank), in lockstep because
-    each step ends in collectives; only rank 0's metrics are forwarded.
+    each step ends in collectives; only rank 0's metrics are forwarded, its contract with where
+    every rank ran.
     """
+    import ray
     import ray.train
     import ray.train.torch
+    import torch.distributed as dist
 
     from trainables import rank_runner
 
     job: TrialJob = config["job"]
     request: BurstRequest = config["request"]
     rank = ray.train.get_context().get_world_rank()
+    workers: list[Any] = [None] * request.world_size
+    dist.all_gather_object(workers, _where_this_runs(ray.get_runtime_context()))
 
     def report_step(report: StepReport) -> bool:
+        if report.contract is not None:
+            report = replace(report, contract=report.contract | {"workers": workers})
         ray.train.report(step_result(report, job.objective, request.world_size) if rank == 0 else {})
         return True
 
     result = rank_runner(job.trainable)(request, ray.train.torch.get_device(), report_step)
+    if result.contract is not None:
+        result = replace(result, contract=result.contract | {"workers": workers})
     ray.train.report(end_result(result) if rank == 0 else {})
+
+
+def _where_this_runs(context: Any) -> dict[str, str | None]:
+    """This worker's node and NVLink domain (``None`` on a node without the label)."""
+    domain = context.get_node_labels().get(NVLINK_DOMAIN_LABEL)
+    return {"node_id": context.get_node_id(), "nvlink_domain": domain[0] if isinstance(domain, list) else domain}

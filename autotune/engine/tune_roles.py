@@ -18,6 +18,7 @@ from ray.tune.search import Searcher
 
 from autotune.campaign import Campaign
 from autotune.engine.ledger import Ledger
+from autotune.engine.placement import DomainPlanner
 from autotune.knobs import Config
 from autotune.search.proposer import Proposer
 from autotune.search.screening import screen
@@ -74,13 +75,31 @@ class Budget:
         return " · ".join(parts)
 
 
-class StudySearcher(_DriverOnly, Searcher):
+class _PlacingSearcher(_DriverOnly, Searcher):
+    """A searcher whose suggestions say where the trial's workers go (``placement``: each
+    worker's NVLink domain, or ``None``), holding those GPUs until the trial completes."""
+
+    def __init__(self, steps: int, planner: DomainPlanner | None, workers: int) -> None:
+        super().__init__()
+        self.steps, self.planner, self.workers = steps, planner, workers
+
+    def _params(self, trial_id: str, config: Config) -> dict[str, Any]:
+        placement = None if self.planner is None else self.planner.place(trial_id, self.workers)
+        return {"config": config.to_plain(), "steps": self.steps, "placement": placement}
+
+    def _release(self, trial_id: str) -> None:
+        if self.planner is not None:
+            self.planner.release(trial_id)
+
+
+class StudySearcher(_PlacingSearcher):
     """Screening: each suggestion is the Optuna study's next runnable config. Proposals the rules
     or the OOM record reject are told to the study and written down without reaching Ray."""
 
-    def __init__(self, proposer: Proposer, ledger: Ledger, budget: Budget, steps: int) -> None:
-        super().__init__()
-        self.proposer, self.ledger, self.budget, self.steps = proposer, ledger, budget, steps
+    def __init__(self, proposer: Proposer, ledger: Ledger, budget: Budget, steps: int,
+                 planner: DomainPlanner | None = None, workers: int = 1) -> None:
+        super().__init__(steps, planner, workers)
+        self.proposer, self.ledger, self.budget = proposer, ledger, budget
         self.proposals: dict[str, Any] = {}
 
     def suggest(self, trial_id: str) -> dict[str, Any] | str | None:
@@ -95,9 +114,10 @@ class StudySearcher(_DriverOnly, Searcher):
         self.proposals[trial_id] = proposal
         self.ledger.start(trial_id, "screen", self.proposer.space.name, proposal.config, proposal.number,
                           proposal.source)
-        return {"config": proposal.config.to_plain(), "steps": self.steps}
+        return self._params(trial_id, proposal.config)
 
     def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
+        self._release(trial_id)
         entry = self.ledger.finish(trial_id, errored=error)
         proposal = self.proposals.pop(trial_id)
         self.proposer.complete(
@@ -106,21 +126,23 @@ class StudySearcher(_DriverOnly, Searcher):
         )
 
 
-class ListSearcher(_DriverOnly, Searcher):
+class ListSearcher(_PlacingSearcher):
     """Promotion: hands out a fixed list of configs, then is finished."""
 
-    def __init__(self, configs: list[tuple[Config, str]], ledger: Ledger, space: str, steps: int) -> None:
-        super().__init__()
-        self.pending, self.ledger, self.space, self.steps = list(configs), ledger, space, steps
+    def __init__(self, configs: list[tuple[Config, str]], ledger: Ledger, space: str, steps: int,
+                 planner: DomainPlanner | None = None, workers: int = 1) -> None:
+        super().__init__(steps, planner, workers)
+        self.pending, self.ledger, self.space = list(configs), ledger, space
 
     def suggest(self, trial_id: str) -> dict[str, Any] | str:
         if not self.pending:
             return Searcher.FINISHED
         config, source = self.pending.pop(0)
         self.ledger.start(trial_id, "promote", self.space, config, None, source)
-        return {"config": config.to_plain(), "steps": self.steps}
+        return self._params(trial_id, config)
 
     def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
+        self._release(trial_id)
         self.ledger.finish(trial_id, errored=error)
 
 

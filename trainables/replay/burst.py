@@ -56,6 +56,12 @@ def replayed_step_seconds(row: RecordedBurst, steps: int, seed: int, key: str) -
     return [recorded[i] if i < warmup else draw.choice(steady) for i in range(steps)]
 
 
+def run_replay_rank(request: BurstRequest, device: object, reporter: Reporter | None = None) -> BurstResult:
+    """One rank of a replayed multi-worker burst (a Ray Train worker group holding the recorded
+    trial's slots): every rank serves the same row, so they report in lockstep."""
+    return run_replay(request, reporter)
+
+
 def run_replay(request: BurstRequest, reporter: Reporter | None = None) -> BurstResult:
     row = table_for(request).row(request.config)
     contract = row.contract | {"replayed_from": request.replay_table}

@@ -1,0 +1,76 @@
+"""Where a multi-GPU trial's workers go: inside one NVLink domain when they fit in it.
+
+Megatron puts its TP and EP groups on the fastest links, so a trial whose workers straddle two
+NVLink domains (two GB200 NVL72 racks, say) runs its expert all-to-all over the slower network
+and measures the wrong thing. Nodes say which domain they are in with the Ray node label
+:data:`NVLINK_DOMAIN_LABEL` (``cluster/`` sets it on every GPU node). The driver plans each trial
+as Tune asks for it: the domain with the *fewest* free GPUs that still holds all the trial's
+workers (best fit, so a half-free rack is used before a whole one is broken into), and only when
+no domain can hold them, the fewest domains with the most free GPUs. Each worker then carries a
+label selector for its domain (Ray Train's per-worker ``label_selector``).
+
+The plan counts the GPUs of this campaign's own running trials: campaigns run overnight on nodes
+allocated to them (a Slurm allocation, a dedicated RayCluster). A cluster without the label has
+no domains, and trials go wherever Ray puts them, as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+NVLINK_DOMAIN_LABEL = "autotune.io/nvlink-domain"
+
+
+@dataclass
+class DomainPlanner:
+    """GPUs per NVLink domain and which of them this campaign's running trials hold."""
+
+    capacity: dict[str, int]
+    """Domain → GPUs of the alive nodes that carry its label."""
+    held: dict[str, list[str]] = field(default_factory=dict)
+    """Trial id → each worker's domain."""
+
+    @classmethod
+    def from_nodes(cls, nodes: list[dict]) -> "DomainPlanner":
+        """From ``ray.nodes()``: alive nodes with GPUs and the domain label."""
+        capacity: dict[str, int] = {}
+        for node in nodes:
+            domain = (node.get("Labels") or {}).get(NVLINK_DOMAIN_LABEL)
+            gpus = int((node.get("Resources") or {}).get("GPU", 0))
+            if node.get("Alive") and domain and gpus:
+                capacity[domain] = capacity.get(domain, 0) + gpus
+        return cls(capacity)
+
+    def free(self) -> dict[str, int]:
+        used: dict[str, int] = {}
+        for plan in self.held.values():
+            for domain in plan:
+                used[domain] = used.get(domain, 0) + 1
+        return {domain: gpus - used.get(domain, 0) for domain, gpus in self.capacity.items()}
+
+    def place(self, trial_id: str, workers: int) -> list[str] | None:
+        """Each worker's domain for ``trial_id`` (held until :meth:`release`), or ``None`` where
+        there are no domains or not enough free GPUs in them (Ray then places the workers)."""
+        free = self.free()
+        if not free or sum(free.values()) < workers:
+            return None
+        fitting = [domain for domain, gpus in free.items() if gpus >= workers]
+        if fitting:
+            domain = min(fitting, key=lambda d: (free[d], d))
+            plan = [domain] * workers
+        else:
+            plan = []
+            for domain in sorted(free, key=lambda d: (-free[d], d)):
+                plan += [domain] * min(free[domain], workers - len(plan))
+                if len(plan) == workers:
+                    break
+        self.held[trial_id] = plan
+        return plan
+
+    def release(self, trial_id: str) -> None:
+        self.held.pop(trial_id, None)
+
+
+def label_selectors(plan: list[str] | None) -> list[dict[str, str]] | None:
+    """Ray Train's per-worker ``label_selector`` for a plan."""
+    return None if plan is None else [{NVLINK_DOMAIN_LABEL: domain} for domain in plan]

@@ -1,0 +1,108 @@
+"""Topology-aware placement: a trial's GPU workers sit in one NVLink domain when they fit in one,
+span domains only when they must, and concurrent trials fill a domain before breaking into
+another. The end-to-end test runs a campaign on a real multi-node Ray cluster on this machine
+(nodes that declare GPUs and carry domain labels), its trials replaying a recorded table through
+Ray Train worker groups: the bursts do no GPU work, the placement is real."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from io import StringIO
+from pathlib import Path
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+from rich.console import Console
+
+from autotune.campaign import load_campaign
+from autotune.engine.driver import run_campaign
+from autotune.engine.live import LiveView
+from autotune.engine.placement import NVLINK_DOMAIN_LABEL, DomainPlanner, label_selectors
+from autotune.engine.rundir import create_run_dir
+from autotune.knobs import complete_config
+from autotune.tables import RecordedBurst, append_row
+from conftest import campaign_file
+from trainables.probe import probe
+
+
+def node(domain: str | None, gpus: int = 4, alive: bool = True) -> dict:
+    return {"Alive": alive, "Resources": {"GPU": gpus, "CPU": 8},
+            "Labels": {NVLINK_DOMAIN_LABEL: domain} if domain else {}}
+
+
+def test_domains_count_the_gpus_of_alive_labelled_nodes() -> None:
+    planner = DomainPlanner.from_nodes([node("a"), node("a"), node("b"), node("b", alive=False), node(None),
+                                        node("c", gpus=0)])
+    assert planner.capacity == {"a": 8, "b": 4}
+
+
+def test_a_trial_goes_to_the_fullest_domain_that_holds_it() -> None:
+    planner = DomainPlanner({"a": 8, "b": 4})
+    assert planner.place("t1", 4) == ["b"] * 4  # b is exactly full after; a stays whole
+    assert planner.place("t2", 4) == ["a"] * 4
+    assert planner.place("t3", 4) == ["a"] * 4
+    assert planner.place("t4", 1) is None  # nothing free: Ray waits for slots
+    planner.release("t2")
+    assert planner.place("t5", 2) == ["a"] * 2
+
+
+def test_a_trial_spans_domains_only_when_none_holds_it() -> None:
+    planner = DomainPlanner({"a": 8, "b": 4, "c": 4})
+    assert planner.place("big", 8) == ["a"] * 8
+    assert planner.place("wide", 6) == ["b"] * 4 + ["c"] * 2  # fewest domains, fullest first
+    assert label_selectors(planner.held["wide"])[0] == {NVLINK_DOMAIN_LABEL: "b"}
+
+
+def test_no_labels_means_no_plan() -> None:
+    assert DomainPlanner.from_nodes([node(None), node(None)]).place("t", 2) is None
+
+
+SPACE = {
+    "name": "placement_test",
+    "target": {"model": "cpu_tiny_moe_vlm", "trainable": "native", "gpus_per_trial": 4, "stack": {"accelerator": "h200"}},
+    "tune": {"micro_batch_size": [1, 2, 4, 8]},
+    "fixed": {"moe_token_dispatcher_type": "alltoall"},
+}
+
+
+@pytest.fixture
+def racks():
+    """A head without GPUs and three 4-GPU nodes (CPUs to spare, as GPU nodes have, for trial
+    drivers landing there): two in rack-a, one in rack-b."""
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0})
+    for domain in ("rack-a", "rack-a", "rack-b"):
+        cluster.add_node(num_cpus=8, num_gpus=4, labels={NVLINK_DOMAIN_LABEL: domain})
+    ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
+    try:
+        yield {n["NodeID"]: n["Labels"].get(NVLINK_DOMAIN_LABEL) for n in ray.nodes()}
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def test_trials_workers_land_inside_one_nvlink_domain(tmp_path: Path, racks) -> None:
+    path = campaign_file(tmp_path, max_trials=3, space=SPACE, accelerator="h200", gpus_per_node=4,
+                         gpus_per_trial=4, nodes=3, launcher="ray_train")
+    stack = probe() | {"device_count": 4, "device_memory_bytes": 192 * 2**30}
+    table = tmp_path / "table.jsonl"
+    for mbs in (1, 2, 4, 8):
+        append_row(table, RecordedBurst(
+            config=complete_config({"micro_batch_size": mbs, "moe_token_dispatcher_type": "alltoall"}).to_plain(),
+            outcome="ok", step_seconds=[2.0] + [1.0 + 0.01 * (i % 3) for i in range(12)],
+            useful_tokens_per_step=1000 * mbs, peak_memory_gib=1.0 * mbs, startup_seconds=5.0, error=None,
+            contract={"world_size": 4, "campaign": str(path), "stack": stack},
+        ))
+    campaign = dataclasses.replace(load_campaign(path), replay_table=table)
+    run_dir = create_run_dir(campaign)
+    with LiveView(Console(file=StringIO()), campaign.space, campaign.spec.objective) as view:
+        run_campaign(campaign, run_dir, view)
+    launched = [json.loads(line) for line in (run_dir.path / "trials.jsonl").read_text().splitlines()]
+    launched = [entry for entry in launched if entry["launched"]]
+    assert len(launched) == 4  # 3 screened, 1 promoted
+    for entry in launched:
+        workers = entry["contract"]["workers"]
+        assert len(workers) == 4
+        assert {racks[w["node_id"]] for w in workers} == {w["nvlink_domain"] for w in workers}
+        assert len({w["nvlink_domain"] for w in workers}) == 1, workers
