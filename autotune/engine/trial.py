@@ -183,6 +183,7 @@ def _worker_loop(config: dict[str, Any]) -> None:
     import ray
     import ray.train
     import ray.train.torch
+    import torch
     import torch.distributed as dist
 
     from trainables import rank_runner
@@ -190,6 +191,9 @@ def _worker_loop(config: dict[str, Any]) -> None:
     job: TrialJob = config["job"]
     request: BurstRequest = config["request"]
     rank = ray.train.get_context().get_world_rank()
+    device = ray.train.torch.get_device()
+    if device.type == "cuda" and torch.cuda.is_available():
+        torch.cuda.set_device(device)  # before the first collective: NCCL gathers on the current device
     workers: list[Any] = [None] * request.world_size
     dist.all_gather_object(workers, _where_this_runs(ray.get_runtime_context()))
 
@@ -199,7 +203,7 @@ def _worker_loop(config: dict[str, Any]) -> None:
         ray.train.report(step_result(report, job.objective, request.world_size) if rank == 0 else {})
         return True
 
-    result = rank_runner(job.trainable)(request, ray.train.torch.get_device(), report_step)
+    result = rank_runner(job.trainable)(request, device, report_step)
     if result.contract is not None:
         result = replace(result, contract=result.contract | {"workers": workers})
     ray.train.report(end_result(result) if rank == 0 else {})
