@@ -123,6 +123,9 @@ class StagesSection(_Strict):
     """A screening burst stops once its steady interval is this tight (relative half-width)."""
     prune_margin: float = Field(default=0.02, ge=0, lt=1)
     """A trial is pruned once its interval's upper bound is this far below the best's lower bound."""
+    hang_timeout_s: float = Field(default=1800, gt=0)
+    """A running trial with no step for this long (its first step's start-up included), a
+    collective stuck on a lost peer say, is killed, recorded ``hung`` and its slots freed."""
 
     @model_validator(mode="after")
     def _steady_window(self) -> "StagesSection":

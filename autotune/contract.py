@@ -85,9 +85,10 @@ class TrainableSupport:
 
 # -- the burst: what a trial runs and what it reports ----------------------------------------------
 
-Outcome = Literal["ok", "oom", "invalid", "pruned", "failed"]
+Outcome = Literal["ok", "oom", "invalid", "pruned", "failed", "hung"]
 """How a burst ended: ``ok``; ``oom`` (out of memory, memory released); ``invalid`` (the stack
-rejected the config before step 1); ``pruned`` (told to stop); ``failed`` (anything else)."""
+rejected the config before step 1); ``pruned`` (told to stop); ``failed`` (anything else);
+``hung`` (no step for the campaign's ``stages.hang_timeout_s``: killed by the campaign's watchdog)."""
 
 DataRealism = Literal["real", "mock"]
 

@@ -54,7 +54,7 @@ from autotune.tables import RecordedBurst, RecordedTable, TableError
 from trainables import REPLAY, burst_runner
 
 REACH = 0.98
-FAILED_OUTCOMES = ("oom", "invalid", "failed")
+FAILED_OUTCOMES = ("oom", "invalid", "failed", "hung")
 
 
 def deployable(campaign: Campaign, config: Config) -> bool:

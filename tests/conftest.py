@@ -12,7 +12,9 @@ from autotune.contract import StackCapabilities
 from autotune.knobs import Config, complete_config
 from autotune.model import model_preset
 from autotune.rules import RuleContext
+from autotune.tables import RecordedBurst, append_row
 from trainables import trainable_support
+from trainables.probe import probe
 
 FULL_STACK = {"accelerator": "h200", "megatron_core": "0.19.2", "transformer_engine": "2.10.0", "deep_ep": True, "hybrid_ep": True}
 
@@ -120,3 +122,50 @@ def campaign_file(folder: Path, *, max_trials: int, top_k: int = 1, space: dict 
     path = folder / "campaign.yaml"
     path.write_text(yaml.safe_dump(campaign))
     return path
+
+
+# -- a small recorded table for replay campaigns -----------------------------------------------------
+
+REPLAY_SPACE = {
+    "name": "replay_small",
+    "description": "MBS x frozen vision, native trainable on two CPU ranks",
+    "target": {"model": "cpu_tiny_moe_vlm", "trainable": "native", "gpus_per_trial": 2, "stack": {"accelerator": "cpu"}},
+    "tune": {"micro_batch_size": [1, 2, 4, 8], "freeze_vision_model": [False, True]},
+    "fixed": {"moe_token_dispatcher_type": "alltoall"},
+}
+STARTUP = 10.0
+STEADY = [1.00, 1.03, 0.97, 1.01, 0.99, 1.02, 0.98, 1.00, 1.01, 0.99, 1.00, 1.02]
+
+
+def recorded(config: dict, campaign: Path, stack: dict) -> RecordedBurst:
+    """Tokens grow with MBS and freezing saves a little; MBS 8 runs out of memory at its first step."""
+    mbs, frozen = config["micro_batch_size"], config["freeze_vision_model"]
+    contract = {"world_size": 2, "campaign": str(campaign), "stack": stack}
+    if mbs == 8:
+        return RecordedBurst(config=config, outcome="oom", step_seconds=[], useful_tokens_per_step=0,
+                             peak_memory_gib=None, startup_seconds=STARTUP, error="OutOfMemoryError", contract=contract)
+    seconds = [3.0 * s * (0.9 if frozen else 1.0) for s in [2.0] + STEADY]
+    return RecordedBurst(config=config, outcome="ok", step_seconds=seconds, useful_tokens_per_step=1000 * mbs,
+                         peak_memory_gib=1.0 * mbs, startup_seconds=STARTUP, error=None, contract=contract)
+
+
+@pytest.fixture
+def small_table(tmp_path: Path) -> Path:
+    campaign = campaign_file(tmp_path, max_trials=4, space=REPLAY_SPACE)
+    stack = probe()
+    path = tmp_path / "table.jsonl"
+    for mbs in (1, 2, 4, 8):
+        for frozen in (False, True):
+            config = complete_config({"micro_batch_size": mbs, "freeze_vision_model": frozen,
+                                      "moe_token_dispatcher_type": "alltoall"}).to_plain()
+            append_row(path, recorded(config, campaign, stack))
+    return path
+
+
+@pytest.fixture
+def ray_local():
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()

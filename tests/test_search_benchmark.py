@@ -10,44 +10,10 @@ import pytest
 
 from autotune.knobs import complete_config
 from autotune.search_benchmark import REACH, Replayer, replay_campaign, run_autotune, run_grid, run_random, truth
-from autotune.tables import RecordedBurst, append_row, load_table
-from conftest import campaign_file
+from autotune.tables import append_row, load_table
+from conftest import REPLAY_SPACE as SPACE
+from conftest import STARTUP, campaign_file, recorded
 from trainables.probe import probe
-
-SPACE = {
-    "name": "replay_small",
-    "description": "MBS x frozen vision, native trainable on two CPU ranks",
-    "target": {"model": "cpu_tiny_moe_vlm", "trainable": "native", "gpus_per_trial": 2, "stack": {"accelerator": "cpu"}},
-    "tune": {"micro_batch_size": [1, 2, 4, 8], "freeze_vision_model": [False, True]},
-    "fixed": {"moe_token_dispatcher_type": "alltoall"},
-}
-STARTUP = 10.0
-STEADY = [1.00, 1.03, 0.97, 1.01, 0.99, 1.02, 0.98, 1.00, 1.01, 0.99, 1.00, 1.02]
-
-
-def recorded(config: dict, campaign: Path, stack: dict) -> RecordedBurst:
-    """Tokens grow with MBS and freezing saves a little; MBS 8 runs out of memory at its first step."""
-    mbs, frozen = config["micro_batch_size"], config["freeze_vision_model"]
-    contract = {"world_size": 2, "campaign": str(campaign), "stack": stack}
-    if mbs == 8:
-        return RecordedBurst(config=config, outcome="oom", step_seconds=[], useful_tokens_per_step=0,
-                             peak_memory_gib=None, startup_seconds=STARTUP, error="OutOfMemoryError", contract=contract)
-    seconds = [3.0 * s * (0.9 if frozen else 1.0) for s in [2.0] + STEADY]
-    return RecordedBurst(config=config, outcome="ok", step_seconds=seconds, useful_tokens_per_step=1000 * mbs,
-                         peak_memory_gib=1.0 * mbs, startup_seconds=STARTUP, error=None, contract=contract)
-
-
-@pytest.fixture
-def small_table(tmp_path: Path) -> Path:
-    campaign = campaign_file(tmp_path, max_trials=4, space=SPACE)
-    stack = probe()
-    path = tmp_path / "table.jsonl"
-    for mbs in (1, 2, 4, 8):
-        for frozen in (False, True):
-            config = complete_config({"micro_batch_size": mbs, "freeze_vision_model": frozen,
-                                      "moe_token_dispatcher_type": "alltoall"}).to_plain()
-            append_row(path, recorded(config, campaign, stack))
-    return path
 
 
 def test_a_config_megatron_rejects_is_charged_its_start_up_and_never_best(tmp_path: Path) -> None:
@@ -70,15 +36,6 @@ def test_a_config_megatron_rejects_is_charged_its_start_up_and_never_best(tmp_pa
                                 "moe_token_dispatcher_type": "alltoall"})
     assert replayer.burst(rejected, 8) == (2 * STARTUP, None, "invalid")
     assert rejected not in replayer.truth.rates and max(map(replayer.ratio, replayer.truth.rates)) == 1.0
-
-
-@pytest.fixture
-def ray_local():
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def test_the_grid_is_charged_every_screen_and_one_promotion(small_table: Path) -> None:

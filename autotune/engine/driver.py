@@ -9,6 +9,7 @@ screening early, never promotion of what screening found.
 
 from __future__ import annotations
 
+import errno
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,9 @@ from autotune.engine.live import LiveView
 from autotune.engine.placement import DomainPlanner
 from autotune.engine.probe import apply_probe, probe_cluster, recorded_probes
 from autotune.engine.promotion import Verdict, decide, leaderboard, projected_headroom, promotion_candidates
-from autotune.engine.rundir import LEADERBOARD_FILE, PROBE_FILE, SPEND_FILE, WINNER_FILE, RunDir, open_run_dir
+from autotune.engine.rundir import (
+    LEADERBOARD_FILE, PROBE_FILE, SPEND_FILE, WINNER_FILE, OutputUnwritable, RunDir, open_run_dir,
+)
 from autotune.engine.trial import TrialJob, run_trial
 from autotune.errors import AutotuneError
 from autotune.export import document
@@ -33,6 +36,11 @@ from autotune.search.proposer import Proposer, journal_storage
 from autotune.space import SearchSpace
 from autotune.tables import load_table
 from trainables import REPLAY
+
+
+DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG, errno.EACCES, errno.EIO}
+"""Write failures that mean the output directory cannot take more: full, quota, read-only, too
+large, permissions changed, or the device failed."""
 
 
 @dataclass(frozen=True)
@@ -120,7 +128,9 @@ def _domain_planner(job: TrialJob, view: LiveView) -> DomainPlanner | None:
 def _tune_space(campaign: Campaign, space: SearchSpace, study_name: str, run_dir: RunDir, ledger: Ledger,
                 job: TrialJob, view: LiveView, memory_limit: float | None, planner: DomainPlanner | None) -> None:
     """Screen ``space`` within the budget, then promote its best configs."""
-    from autotune.engine.tune_roles import Budget, BudgetStopper, ListSearcher, ScreeningScheduler, StudySearcher
+    from autotune.engine.tune_roles import (
+        Budget, BudgetStopper, HangWatchdog, ListSearcher, ScreeningScheduler, StudySearcher,
+    )
 
     spec = campaign.spec
     proposer = Proposer(
@@ -135,6 +145,7 @@ def _tune_space(campaign: Campaign, space: SearchSpace, study_name: str, run_dir
         view.note(f"warm start from {earlier}: {queued} config(s) queued")
 
     budget = Budget(campaign, ledger, space.name)
+    watchdog = HangWatchdog(ledger, spec.stages.hang_timeout_s)
     view.attach(ledger, budget, space)
     if budget.trials_left() and not budget.exhausted():
         _run_stage(
@@ -142,7 +153,7 @@ def _tune_space(campaign: Campaign, space: SearchSpace, study_name: str, run_dir
             searcher=StudySearcher(proposer, ledger, budget, spec.stages.screen_steps, planner,
                                    job.request.world_size),
             scheduler=ScreeningScheduler(ledger, campaign, screening=True),
-            samples=budget.trials_left(), stopper=BudgetStopper(budget, ledger),
+            samples=budget.trials_left(), stopper=BudgetStopper(budget, ledger), watchdog=watchdog,
         )
         if (why := budget.exhausted()) is not None:
             view.note(f"screening ended early: {why}")
@@ -154,7 +165,7 @@ def _tune_space(campaign: Campaign, space: SearchSpace, study_name: str, run_dir
             searcher=ListSearcher(candidates, ledger, space.name, spec.stages.promote_steps, planner,
                                   job.request.world_size),
             scheduler=ScreeningScheduler(ledger, campaign, screening=False),
-            samples=len(candidates), stopper=None,
+            samples=len(candidates), stopper=None, watchdog=watchdog,
         )
 
 
@@ -207,7 +218,7 @@ def _concurrency(job: TrialJob) -> int:
 
 
 def _run_stage(stage: Stage, job: TrialJob, run_dir: RunDir, view: LiveView, *,
-               searcher, scheduler, samples: int, stopper) -> None:
+               searcher, scheduler, samples: int, stopper, watchdog) -> None:
     from autotune.engine.tune_roles import ViewCallback
 
     attempt = sum(1 for p in run_dir.ray_storage.glob(f"{stage}-*")) + 1 if run_dir.ray_storage.exists() else 1
@@ -228,12 +239,34 @@ def _run_stage(stage: Stage, job: TrialJob, run_dir: RunDir, view: LiveView, *,
             name=f"{stage}-{attempt}",
             storage_path=str(run_dir.ray_storage),
             stop=stopper,
-            callbacks=[ViewCallback(view.refresh)],
+            callbacks=[ViewCallback(view.refresh), watchdog],
             verbose=0,
             failure_config=tune.FailureConfig(max_failures=0),
         ),
     )
-    tuner.fit()
+    try:
+        tuner.fit()
+    except Exception as exc:
+        failure = _output_failure(exc)
+        if failure is None:
+            raise
+        raise AutotuneError(
+            f"{failure}; the campaign stopped. Everything it wrote before is intact: free the space "
+            f"(or fix the permissions) and run `autotune resume {run_dir.path}`"
+        ) from None
+
+
+def _output_failure(exc: BaseException) -> OSError | OutputUnwritable | None:
+    """The disk failure behind an exception Tune raised, if it is one: our own line writes say
+    :class:`OutputUnwritable`; the study journal and Tune's files raise a plain ``OSError``."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OutputUnwritable) or (isinstance(current, OSError) and current.errno in DISK_ERRNOS):
+            return current
+        current = current.__cause__ or current.__context__
+    return None
 
 
 def _write_winner(run_dir: RunDir, campaign: Campaign, verdict: Verdict) -> None:

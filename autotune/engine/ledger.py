@@ -44,6 +44,10 @@ class LiveTrial:
     decision: ScreenDecision | None = None
     replayed_seconds: float | None = None
     """A replayed burst's recorded seconds so far: charged instead of the wall clock."""
+    last_report: float | None = None
+    """When its last result arrived (``time.monotonic``)."""
+    hung: str | None = None
+    """Why the watchdog killed it, once it has."""
 
     def charged_seconds(self) -> float:
         """Seconds of each of the trial's devices spent so far."""
@@ -69,6 +73,7 @@ class Ledger:
     def record(self, trial_id: str, result: dict[str, Any]) -> LiveTrial:
         """Take one result of a running trial (a step or its end) and append steps to ``steps.jsonl``."""
         trial = self.live[trial_id]
+        trial.last_report = time.monotonic()
         event, payload = read_result(result)
         if event == "step":
             record = payload["record"]
@@ -134,6 +139,8 @@ class Ledger:
         return entry
 
     def _outcome(self, trial: LiveTrial, errored: bool) -> tuple[str, str]:
+        if trial.hung is not None:
+            return "hung", trial.hung
         if errored:
             return "failed", f"the trial process raised; its error.txt is under {self.run_dir.ray_storage}"
         if trial.decision is not None and trial.decision.action == "prune":

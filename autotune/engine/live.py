@@ -95,7 +95,7 @@ class LiveView:
         summary = Table.grid(padding=(0, 2))
         summary.add_row(
             f"best {best['objective']:,.1f} {self.objective}" if best else "best: none yet",
-            " · ".join(f"{name} {counts[name]}" for name in ("ok", "pruned", "oom", "invalid", "oom_predicted", "failed")),
+            " · ".join(f"{name} {counts[name]}" for name in ("ok", "pruned", "oom", "invalid", "oom_predicted", "failed", "hung")),
             f"left: {budget.describe()}",
             f"spent {ledger.device_seconds():,.0f} device-s",
         )

@@ -42,6 +42,14 @@ SPEND_FILE = "spend.json"
 PROBE_FILE = "probe.json"
 
 
+class OutputUnwritable(AutotuneError):
+    """The run directory stopped accepting writes mid-campaign."""
+
+    def __init__(self, path: Path, cause: OSError) -> None:
+        self.path = path
+        super().__init__(f"cannot write {path}: {cause.strerror or cause}")
+
+
 class JsonLines:
     """An append-only JSON Lines file: each line is durable once :meth:`append` returns."""
 
@@ -49,11 +57,21 @@ class JsonLines:
         self.path = path
 
     def append(self, entry: dict[str, Any]) -> None:
+        """Append one line durably; a write the disk refuses (full, read-only, quota) leaves the
+        file as it was, so a resumed campaign appends after the last whole line."""
         line = json.dumps(entry, default=str, allow_nan=False) + "\n"
         with self.path.open("a", encoding="utf-8") as handle:
-            handle.write(line)
-            handle.flush()
-            os.fsync(handle.fileno())
+            before = handle.tell()
+            try:
+                handle.write(line)
+                handle.flush()
+                os.fsync(handle.fileno())
+            except OSError as exc:
+                try:
+                    os.ftruncate(handle.fileno(), before)
+                except OSError:
+                    pass  # the original failure is the one to report
+                raise OutputUnwritable(self.path, exc) from exc
 
     def read(self) -> Iterator[dict[str, Any]]:
         """Every complete line; a last line cut short by a crash is skipped."""
@@ -85,8 +103,12 @@ class RunDir:
     def write_text(self, name: str, text: str) -> None:
         """Write a derived view (leaderboard, spend, winner) atomically: readers never see half a file."""
         temporary = self.path / f".{name}.tmp"
-        temporary.write_text(text, encoding="utf-8")
-        temporary.replace(self.path / name)
+        try:
+            temporary.write_text(text, encoding="utf-8")
+            temporary.replace(self.path / name)
+        except OSError as exc:
+            temporary.unlink(missing_ok=True)
+            raise OutputUnwritable(self.path / name, exc) from exc
 
     def load_campaign(self) -> Campaign:
         return load_campaign(self.path / CAMPAIGN_FILE)

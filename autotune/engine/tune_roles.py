@@ -8,9 +8,11 @@ Tune calls all of them from its controller loop in the driver process, so they s
 from __future__ import annotations
 
 import logging
+import time
 from datetime import datetime, timezone
 from typing import Any, Callable
 
+import ray
 from ray.tune import Callback, Stopper
 from ray.tune.experiment import Trial
 from ray.tune.schedulers import FIFOScheduler, TrialScheduler
@@ -188,6 +190,29 @@ class BudgetStopper(_DriverOnly, Stopper):
             return False
         self.ledger.stopped_by_budget = True
         return True
+
+
+class HangWatchdog(_DriverOnly, Callback):
+    """Kills a running trial that has reported nothing for ``timeout_s`` (a collective stuck on a
+    lost peer, a wedged data loader): its actor goes, and with it the ranks it started (they die
+    with their parent) or the Ray Train worker group it owns, so its slots come back. The ledger
+    records it ``hung``. Tune calls this after every step of its loop."""
+
+    def __init__(self, ledger: Ledger, timeout_s: float) -> None:
+        self.ledger, self.timeout_s = ledger, timeout_s
+        self.running_since: dict[str, float] = {}
+
+    def on_step_end(self, iteration: int, trials: list[Trial], **info) -> None:
+        now = time.monotonic()
+        for trial in trials:
+            live = self.ledger.live.get(trial.trial_id)
+            if trial.status != Trial.RUNNING or live is None or live.hung is not None:
+                continue
+            quiet_since = live.last_report or self.running_since.setdefault(trial.trial_id, now)
+            if now - quiet_since > self.timeout_s and trial.temporary_state.ray_actor is not None:
+                live.hung = f"no step for {self.timeout_s:g} s: killed by the campaign's watchdog"
+                log.warning("trial %s: %s", trial.trial_id, live.hung)
+                ray.kill(trial.temporary_state.ray_actor, no_restart=True)
 
 
 class ViewCallback(_DriverOnly, Callback):

@@ -27,7 +27,7 @@ from autotune.space import SearchSpace
 
 log = logging.getLogger(__name__)
 
-INFEASIBLE_OUTCOMES = frozenset({"oom", "invalid", "failed"})
+INFEASIBLE_OUTCOMES = frozenset({"oom", "invalid", "failed", "hung"})
 
 
 CONSTRAINT = "feasible"
