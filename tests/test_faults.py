@@ -10,6 +10,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from io import StringIO
 from pathlib import Path
 
@@ -66,15 +68,18 @@ def test_a_disk_that_fills_up_mid_campaign_stops_it_cleanly(small_table: Path, r
     assert len(lines) == 2 and all(json.loads(line)["config"] for line in lines)
 
 
-@pytest.fixture
-def ray_with_stuck_bursts():
-    """A local Ray cluster whose workers load ``hang_hook`` (tests/ on their path)."""
-    import ray
-
+def worker_hook(name: str) -> dict:
+    """A runtime env whose workers run ``replay_hooks.<name>`` at start (tests/ on their path)."""
     tests = str(Path(__file__).resolve().parent)
     path = os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"worker_process_setup_hook": "hang_hook.install", "env_vars": {"PYTHONPATH": path}})
+    return {"worker_process_setup_hook": f"replay_hooks.{name}", "env_vars": {"PYTHONPATH": path}}
+
+
+@pytest.fixture
+def ray_with_stuck_bursts():
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env=worker_hook("stuck_small_batches"))
     yield
     ray.shutdown()
 
@@ -96,3 +101,72 @@ def test_a_trial_that_stops_reporting_is_killed_recorded_hung_and_its_slots_free
     screened = [entry for entry in launched if entry["stage"] == "screen"]
     assert len(screened) == campaign.spec.budget.max_trials
     assert any(entry["stage"] == "promote" and entry["outcome"] == "ok" for entry in launched)
+
+
+@pytest.fixture
+def two_worker_nodes():
+    """A head that runs no trial and two worker nodes whose bursts start slowly."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    nodes = [cluster.add_node(num_cpus=2) for _ in range(2)]
+    ray.init(address=cluster.address, log_to_driver=False, configure_logging=False, runtime_env=worker_hook("slow_start"))
+    try:
+        yield cluster, nodes
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def test_a_trial_whose_node_dies_is_recorded_node_lost_and_runs_once_more_elsewhere(
+        small_table: Path, two_worker_nodes) -> None:
+    from ray.util.state import list_actors
+
+    cluster, nodes = two_worker_nodes
+    campaign = replay_campaign(load_table(small_table), 0, small_table.parent / "runs")
+    run_dir = create_run_dir(campaign)
+    finished: list[BaseException | None] = []
+
+    def drive() -> None:
+        try:
+            with LiveView(Console(file=StringIO()), campaign.space, campaign.spec.objective) as view:
+                run_campaign(campaign, run_dir, view)
+            finished.append(None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            finished.append(exc)
+
+    driver = threading.Thread(target=drive)
+    driver.start()
+    deadline = time.monotonic() + 120
+    trial = None
+    while trial is None and time.monotonic() < deadline:
+        alive = [a for a in list_actors(filters=[("state", "=", "ALIVE")]) if "ImplicitFunc" in a.class_name]
+        trial = alive[0] if alive else None
+        time.sleep(0.5)
+    assert trial is not None, "no trial started"
+    (victim,) = [node for node in nodes if node.node_id == trial.node_id]
+    cluster.remove_node(victim)
+    driver.join(timeout=600)
+    assert finished == [None], finished
+
+    launched = [entry for entry in run_dir.trials.read() if entry["launched"]]
+    lost = [entry for entry in launched if entry["reason"].startswith("node_lost")]
+    assert len(lost) == 1 and lost[0]["outcome"] == "failed"
+    again = [entry for entry in launched if entry["source"].endswith("again after node_lost")]
+    assert len(again) == 1 and again[0]["config"] == lost[0]["config"] and again[0]["outcome"] == "ok"
+    others = [entry for entry in launched if entry not in lost]
+    assert others and all(entry["outcome"] in ("ok", "pruned", "oom") for entry in others)
+    screened = [entry for entry in launched if entry["stage"] == "screen"]
+    assert len(screened) == campaign.spec.budget.max_trials + 1  # the lost trial's retry comes on top
+
+
+def test_only_a_dead_node_reads_as_node_lost() -> None:
+    from autotune.engine.faults import node_lost_reason
+
+    worker_lost = ("Ray Train: TrainingFailedError: worker group failed\nActorDiedError: The actor died unexpectedly\n"
+                   "The actor died because its node has died. Node Id: 9c71a3")
+    assert node_lost_reason(worker_lost).startswith("node_lost: The actor died because its node has died")
+    assert node_lost_reason(RuntimeError("collective failed")) is None
+    assert node_lost_reason("OutOfMemoryError: CUDA out of memory") is None
+    assert node_lost_reason(None) is None

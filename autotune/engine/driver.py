@@ -153,7 +153,8 @@ def _tune_space(campaign: Campaign, space: SearchSpace, study_name: str, run_dir
             searcher=StudySearcher(proposer, ledger, budget, spec.stages.screen_steps, planner,
                                    job.request.world_size),
             scheduler=ScreeningScheduler(ledger, campaign, screening=True),
-            samples=budget.trials_left(), stopper=BudgetStopper(budget, ledger), watchdog=watchdog,
+            # each trial may run once more after losing its node
+            samples=2 * budget.trials_left(), stopper=BudgetStopper(budget, ledger), watchdog=watchdog,
         )
         if (why := budget.exhausted()) is not None:
             view.note(f"screening ended early: {why}")
@@ -165,7 +166,7 @@ def _tune_space(campaign: Campaign, space: SearchSpace, study_name: str, run_dir
             searcher=ListSearcher(candidates, ledger, space.name, spec.stages.promote_steps, planner,
                                   job.request.world_size),
             scheduler=ScreeningScheduler(ledger, campaign, screening=False),
-            samples=len(candidates), stopper=None, watchdog=watchdog,
+            samples=2 * len(candidates), stopper=None, watchdog=watchdog,
         )
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Literal
 
+from autotune.engine.faults import node_lost_reason
 from autotune.engine.rundir import RunDir
 from autotune.engine.trial import read_result
 from autotune.knobs import Config
@@ -48,6 +49,8 @@ class LiveTrial:
     """When its last result arrived (``time.monotonic``)."""
     hung: str | None = None
     """Why the watchdog killed it, once it has."""
+    lost: str | None = None
+    """``node_lost: ...`` when Tune reported its actor dead with its node."""
 
     def charged_seconds(self) -> float:
         """Seconds of each of the trial's devices spent so far."""
@@ -141,6 +144,9 @@ class Ledger:
     def _outcome(self, trial: LiveTrial, errored: bool) -> tuple[str, str]:
         if trial.hung is not None:
             return "hung", trial.hung
+        lost = trial.lost or node_lost_reason(None if trial.end is None else trial.end.get("error"))
+        if lost is not None:
+            return "failed", lost
         if errored:
             return "failed", f"the trial process raised; its error.txt is under {self.run_dir.ray_storage}"
         if trial.decision is not None and trial.decision.action == "prune":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from datetime import datetime, timezone
 from typing import Any, Callable
 
@@ -19,10 +20,11 @@ from ray.tune.schedulers import FIFOScheduler, TrialScheduler
 from ray.tune.search import Searcher
 
 from autotune.campaign import Campaign
+from autotune.engine.faults import NODE_LOST, node_lost_reason
 from autotune.engine.ledger import Ledger
 from autotune.engine.placement import DomainPlanner
 from autotune.knobs import Config
-from autotune.search.proposer import Proposer
+from autotune.search.proposer import Proposal, Proposer
 from autotune.search.screening import screen
 
 log = logging.getLogger(__name__)
@@ -57,7 +59,9 @@ class Budget:
 
     def trials_left(self) -> int:
         running = [t for t in self.ledger.live.values() if t.stage == "screen" and t.space == self.space]
-        return max(0, self.spec.max_trials - len(self.ledger.launched("screen", self.space)) - len(running))
+        # a trial that lost its node is run again, and counted once
+        launched = [e for e in self.ledger.launched("screen", self.space) if not e["reason"].startswith(NODE_LOST)]
+        return max(0, self.spec.max_trials - len(launched) - len(running))
 
     def exhausted(self) -> str | None:
         """Why no more screening may start (or run), or ``None``."""
@@ -96,32 +100,62 @@ class _PlacingSearcher(_DriverOnly, Searcher):
 
 class StudySearcher(_PlacingSearcher):
     """Screening: each suggestion is the Optuna study's next runnable config. Proposals the rules
-    or the OOM record reject are told to the study and written down without reaching Ray."""
+    or the OOM record reject are told to the study and written down without reaching Ray. A trial
+    that lost its node runs once more (outside the trial budget: the cluster failed, not the
+    config); the study hears only how the retry ended."""
 
     def __init__(self, proposer: Proposer, ledger: Ledger, budget: Budget, steps: int,
                  planner: DomainPlanner | None = None, workers: int = 1) -> None:
         super().__init__(steps, planner, workers)
         self.proposer, self.ledger, self.budget = proposer, ledger, budget
-        self.proposals: dict[str, Any] = {}
+        self.proposals: dict[str, Proposal] = {}
+        self.retries: list[tuple[Proposal, dict[str, Any]]] = []
+        """Proposals whose trial lost its node, with that trial's entry, waiting to run again."""
+        self.retried: set[int] = set()
+        self.space_exhausted = False
 
     def suggest(self, trial_id: str) -> dict[str, Any] | str | None:
-        if self.budget.trials_left() == 0 or self.budget.exhausted():
-            return Searcher.FINISHED
+        if self.budget.exhausted():
+            return self._finish()
+        if self.retries:
+            proposal, _ = self.retries.pop(0)
+            return self._launch(trial_id, proposal, f"{proposal.source}, again after node_lost")
+        if self.budget.trials_left() == 0 or self.space_exhausted:
+            return self._finish()
         proposal = self.proposer.propose()
         for rejection in self.proposer.take_rejections():
             self.ledger.reject(rejection, self.proposer.space.name)
         if proposal is None:
             log.warning("the sampler proposes nothing runnable any more: screening ends")
-            return Searcher.FINISHED
+            self.space_exhausted = True
+            return self._finish()
+        return self._launch(trial_id, proposal, proposal.source)
+
+    def _launch(self, trial_id: str, proposal: Proposal, source: str) -> dict[str, Any]:
         self.proposals[trial_id] = proposal
-        self.ledger.start(trial_id, "screen", self.proposer.space.name, proposal.config, proposal.number,
-                          proposal.source)
+        self.ledger.start(trial_id, "screen", self.proposer.space.name, proposal.config, proposal.number, source)
         return self._params(trial_id, proposal.config)
+
+    def _finish(self) -> str | None:
+        """Finished once no trial runs (one still running may lose its node and need a retry)."""
+        if self.proposals:
+            return None
+        for proposal, entry in self.retries:  # retries the budget no longer allows
+            self._tell(proposal, entry)
+        self.retries.clear()
+        return Searcher.FINISHED
 
     def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
         self._release(trial_id)
         entry = self.ledger.finish(trial_id, errored=error)
         proposal = self.proposals.pop(trial_id)
+        if entry["reason"].startswith(NODE_LOST) and proposal.number not in self.retried:
+            self.retried.add(proposal.number)
+            self.retries.append((proposal, entry))
+            return
+        self._tell(proposal, entry)
+
+    def _tell(self, proposal: Proposal, entry: dict[str, Any]) -> None:
         self.proposer.complete(
             proposal, entry["outcome"], entry["objective"],
             peak_memory_bytes=entry["peak_memory_bytes"], cost_seconds=entry["device_seconds"], error=entry["error"],
@@ -129,23 +163,30 @@ class StudySearcher(_PlacingSearcher):
 
 
 class ListSearcher(_PlacingSearcher):
-    """Promotion: hands out a fixed list of configs, then is finished."""
+    """Promotion: hands out a fixed list of configs, then is finished; a config whose trial lost
+    its node runs once more."""
 
     def __init__(self, configs: list[tuple[Config, str]], ledger: Ledger, space: str, steps: int,
                  planner: DomainPlanner | None = None, workers: int = 1) -> None:
         super().__init__(steps, planner, workers)
         self.pending, self.ledger, self.space = list(configs), ledger, space
+        self.running: dict[str, tuple[Config, str]] = {}
+        self.retried: set[Config] = set()
 
-    def suggest(self, trial_id: str) -> dict[str, Any] | str:
+    def suggest(self, trial_id: str) -> dict[str, Any] | str | None:
         if not self.pending:
-            return Searcher.FINISHED
-        config, source = self.pending.pop(0)
+            return None if self.running else Searcher.FINISHED
+        config, source = self.running[trial_id] = self.pending.pop(0)
         self.ledger.start(trial_id, "promote", self.space, config, None, source)
         return self._params(trial_id, config)
 
     def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
         self._release(trial_id)
-        self.ledger.finish(trial_id, errored=error)
+        entry = self.ledger.finish(trial_id, errored=error)
+        config, source = self.running.pop(trial_id)
+        if entry["reason"].startswith(NODE_LOST) and config not in self.retried:
+            self.retried.add(config)
+            self.pending.insert(0, (config, f"{source}, again after node_lost"))
 
 
 class ScreeningScheduler(_DriverOnly, FIFOScheduler):
@@ -157,6 +198,14 @@ class ScreeningScheduler(_DriverOnly, FIFOScheduler):
         super().__init__()
         self.ledger, self.screening = ledger, screening
         self.stages = campaign.spec.stages
+
+    def on_trial_error(self, tune_controller, trial: Trial) -> None:
+        """Tune lost the trial's actor: note whether its node died with it (Tune tells the
+        searcher next, which closes the trial in the ledger). Tune has just written the error's
+        text to the trial's ``error.txt``."""
+        live = self.ledger.live.get(trial.trial_id)
+        if live is not None and trial.error_file and Path(trial.error_file).is_file():
+            live.lost = node_lost_reason(Path(trial.error_file).read_text(errors="replace"))
 
     def on_trial_result(self, tune_controller, trial: Trial, result: dict) -> str:
         live = self.ledger.record(trial.trial_id, result)

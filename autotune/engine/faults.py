@@ -1,0 +1,33 @@
+"""Which failures are the cluster's, not the config's.
+
+A node that dies under a trial (preempted, rebooted, its raylet gone) says nothing about the
+config: the trial is recorded ``failed`` with the reason ``node_lost: ...`` and run once more
+elsewhere (the node is gone), and the study is not told the config failed unless the retry fails
+too. Ray reports a node's death in words (``ActorDiedError`` messages, ``NodeDiedError``) whether
+the trial's own actor died or a Ray Train worker it owned; both arrive here as text.
+"""
+
+from __future__ import annotations
+
+NODE_LOST = "node_lost"
+_NODE_DEATH_MARKERS = ("node has died", "node died", "nodediederror", "node was preempted", "raylet died",
+                       "node is dead")
+
+
+def node_lost_reason(error: BaseException | str | None) -> str | None:
+    """``node_lost: <what Ray said>`` when ``error`` (an exception, with its causes, or its text)
+    is a node dying under the trial; ``None`` otherwise."""
+    texts: list[str] = []
+    seen: set[int] = set()
+    current = error
+    while isinstance(current, BaseException) and id(current) not in seen:
+        seen.add(id(current))
+        texts.append(f"{type(current).__name__}: {current}")
+        current = current.__cause__ or current.__context__
+    if isinstance(current, str):
+        texts.append(current)
+    for text in texts:
+        for line in text.splitlines():
+            if any(marker in line.lower() for marker in _NODE_DEATH_MARKERS):
+                return f"{NODE_LOST}: {line.strip()[:240]}"
+    return None

@@ -1,0 +1,37 @@
+"""Worker setup hooks for tests/test_faults.py (loaded into every Ray worker of one test's cluster):
+replayed bursts that misbehave as real ones do on a bad night."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+
+def stuck_small_batches() -> None:
+    """Bursts of micro-batch size 1 or 2 report no step for 4 minutes, as a burst stuck in a
+    collective on a lost peer does. Longer than any watchdog of the tests waits; without one the
+    burst then fails (and the test with it) instead of hanging the test run."""
+    import trainables.replay.burst as replay
+
+    recorded = replay.run_replay
+
+    def stuck(request, reporter=None):
+        if request.config.micro_batch_size < 4:
+            threading.Event().wait(240)
+            raise RuntimeError("stuck burst: no watchdog killed it")
+        return recorded(request, reporter)
+
+    replay.run_replay = stuck
+
+
+def slow_start() -> None:
+    """Every burst takes 8 s to start, long enough for a test to take its node away."""
+    import trainables.replay.burst as replay
+
+    recorded = replay.run_replay
+
+    def slow(request, reporter=None):
+        time.sleep(8)
+        return recorded(request, reporter)
+
+    replay.run_replay = slow
