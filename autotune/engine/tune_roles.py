@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any, Callable
 
 import ray
@@ -101,8 +101,8 @@ class _PlacingSearcher(_DriverOnly, Searcher):
 class StudySearcher(_PlacingSearcher):
     """Screening: each suggestion is the Optuna study's next runnable config. Proposals the rules
     or the OOM record reject are told to the study and written down without reaching Ray. A trial
-    that lost its node runs once more (outside the trial budget: the cluster failed, not the
-    config); the study hears only how the retry ended."""
+    that lost its node runs once more and counts once against the budget (the cluster failed, not
+    the config); the study hears only how the retry ended."""
 
     def __init__(self, proposer: Proposer, ledger: Ledger, budget: Budget, steps: int,
                  planner: DomainPlanner | None = None, workers: int = 1) -> None:
