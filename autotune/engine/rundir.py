@@ -58,20 +58,24 @@ class JsonLines:
 
     def append(self, entry: dict[str, Any]) -> None:
         """Append one line durably; a write the disk refuses (full, read-only, quota) leaves the
-        file as it was, so a resumed campaign appends after the last whole line."""
-        line = json.dumps(entry, default=str, allow_nan=False) + "\n"
-        with self.path.open("a", encoding="utf-8") as handle:
-            before = handle.tell()
+        file as it was, so a resumed campaign appends after the last whole line. Unbuffered, so
+        no half-written line can be flushed after the roll-back."""
+        data = memoryview((json.dumps(entry, default=str, allow_nan=False) + "\n").encode("utf-8"))
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            before = os.lseek(fd, 0, os.SEEK_END)
             try:
-                handle.write(line)
-                handle.flush()
-                os.fsync(handle.fileno())
+                while data:
+                    data = data[os.write(fd, data):]
+                os.fsync(fd)
             except OSError as exc:
                 try:
-                    os.ftruncate(handle.fileno(), before)
+                    os.ftruncate(fd, before)
                 except OSError:
                     pass  # the original failure is the one to report
                 raise OutputUnwritable(self.path, exc) from exc
+        finally:
+            os.close(fd)
 
     def read(self) -> Iterator[dict[str, Any]]:
         """Every complete line; a last line cut short by a crash is skipped."""
