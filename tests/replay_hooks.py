@@ -25,13 +25,13 @@ def stuck_small_batches() -> None:
 
 
 def slow_start() -> None:
-    """Every burst takes 8 s to start, long enough for a test to take its node away."""
+    """Every burst takes 4 s to start, long enough for a test to take its node away."""
     import trainables.replay.burst as replay
 
     recorded = replay.run_replay
 
     def slow(request, reporter=None):
-        time.sleep(8)
+        time.sleep(4)
         return recorded(request, reporter)
 
     replay.run_replay = slow

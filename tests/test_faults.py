@@ -88,7 +88,7 @@ def test_a_trial_that_stops_reporting_is_killed_recorded_hung_and_its_slots_free
         small_table: Path, ray_with_stuck_bursts) -> None:
     table = load_table(small_table)
     campaign = replay_campaign(table, 0, small_table.parent / "runs")
-    stages = campaign.spec.stages.model_copy(update={"hang_timeout_s": 20.0})
+    stages = campaign.spec.stages.model_copy(update={"hang_timeout_s": 12.0})
     campaign = dataclasses.replace(campaign, spec=campaign.spec.model_copy(update={"stages": stages}))
     run_dir = create_run_dir(campaign)
     with LiveView(Console(file=StringIO()), campaign.space, campaign.spec.objective) as view:
