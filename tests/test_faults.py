@@ -1,6 +1,8 @@
 """What clusters do at night, and the campaign going on without losing what it finished: an output
-directory that cannot be written stops a campaign before any trial, and a disk that fills up
-mid-campaign stops it cleanly with every line written before intact."""
+directory that cannot be written stops a campaign before any trial; a disk that fills up
+mid-campaign stops it cleanly with every line written before intact; a trial that stops reporting
+is killed and recorded hung, its slots reused; a trial whose node dies is recorded node_lost and
+runs once more elsewhere. (A driver killed with SIGKILL and resumed: tests/test_engine.py.)"""
 
 from __future__ import annotations
 
