@@ -55,6 +55,14 @@ def test_a_trial_spans_domains_only_when_none_holds_it() -> None:
     assert label_selectors(planner.held["wide"])[0] == {NVLINK_DOMAIN_LABEL: "b"}
 
 
+def test_a_lost_node_takes_its_gpus_out_of_its_domain() -> None:
+    planner = DomainPlanner.from_nodes([node("a"), node("a"), node("b")])
+    assert planner.place("t1", 4) == ["b"] * 4
+    planner.release("t1")
+    planner.observe([node("a"), node("a"), node("b", alive=False)])
+    assert planner.place("t1-again", 4) == ["a"] * 4
+
+
 def test_no_labels_means_no_plan() -> None:
     assert DomainPlanner.from_nodes([node(None), node(None)]).place("t", 2) is None
 

@@ -41,12 +41,17 @@ class DomainPlanner:
                 capacity[domain] = capacity.get(domain, 0) + gpus
         return cls(capacity)
 
+    def observe(self, nodes: list[dict]) -> None:
+        """Re-read which nodes are alive: a node lost overnight takes its GPUs out of its domain
+        (its trial's retry must not wait for them)."""
+        self.capacity = DomainPlanner.from_nodes(nodes).capacity
+
     def free(self) -> dict[str, int]:
         used: dict[str, int] = {}
         for plan in self.held.values():
             for domain in plan:
                 used[domain] = used.get(domain, 0) + 1
-        return {domain: gpus - used.get(domain, 0) for domain, gpus in self.capacity.items()}
+        return {domain: max(0, gpus - used.get(domain, 0)) for domain, gpus in self.capacity.items()}
 
     def place(self, trial_id: str, workers: int) -> list[str] | None:
         """Each worker's domain for ``trial_id`` (held until :meth:`release`), or ``None`` where

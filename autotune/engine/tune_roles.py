@@ -90,7 +90,10 @@ class _PlacingSearcher(_DriverOnly, Searcher):
         self.steps, self.planner, self.workers = steps, planner, workers
 
     def _params(self, trial_id: str, config: Config) -> dict[str, Any]:
-        placement = None if self.planner is None else self.planner.place(trial_id, self.workers)
+        placement = None
+        if self.planner is not None:
+            self.planner.observe(ray.nodes())
+            placement = self.planner.place(trial_id, self.workers)
         return {"config": config.to_plain(), "steps": self.steps, "placement": placement}
 
     def _release(self, trial_id: str) -> None:
