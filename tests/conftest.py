@@ -97,9 +97,6 @@ NEXT_SPACE = SPACE | {
 """A second space for the workflow: its declared reach guarantees the projected headroom is large."""
 
 
-SCREEN_STEPS = 16
-
-
 def campaign_file(folder: Path, *, max_trials: int, top_k: int = 1, space: dict = SPACE, then_space: dict | None = None,
                   **hardware) -> Path:
     (folder / "space.yaml").write_text(yaml.safe_dump(space))
@@ -113,9 +110,7 @@ def campaign_file(folder: Path, *, max_trials: int, top_k: int = 1, space: dict 
         # Prune only what is clearly worse (15 % below the best's lower bound): the bring-up-like
         # "slow" warm start runs at 0.6-0.7x the "fast" one on this model, while the fastest
         # seeded start-up config still reaches promotion, so the verdict has intervals to compare.
-        # 16 screening steps: on a loaded 2-core CI box the slow config's interval can need more
-        # than 12 steps to fall clearly below the fast one's.
-        "stages": {"warmup_steps": 1, "screen_steps": SCREEN_STEPS, "promote_top_k": top_k, "promote_steps": 50,
+        "stages": {"warmup_steps": 1, "screen_steps": 12, "promote_top_k": top_k, "promote_steps": 50,
                    "target_relative_half_width": 0.01, "prune_margin": 0.15},
         # Seeded random proposals for the first 4 trials (warm starts included): the same configs every run.
         "search": {"seed": 0, "startup_trials": 4},
