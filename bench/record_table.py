@@ -40,6 +40,8 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=None, help="record at most this many new rows")
     parser.add_argument("--stop-after-failures", type=int, default=3,
                         help="stop after this many failed bursts in a row, writing none of them")
+    parser.add_argument("--ok-in", type=Path, default=None,
+                        help="record only configs that ran ok in this table (long runs for bench/fidelity.py)")
     parser.add_argument("--order", choices=("config", "shuffled"), default="shuffled",
                         help="shuffled (seeded) spreads a partial recording over the whole space")
     args = parser.parse_args()
@@ -47,6 +49,9 @@ def main() -> None:
     campaign = load_campaign(args.campaign)
     recorded = set(load_table(args.out).rows) if args.out.is_file() and args.out.stat().st_size else set()
     todo = [config for config in campaign.space.configs() if config not in recorded]
+    if args.ok_in is not None:
+        ran_ok = {config for config, row in load_table(args.ok_in).rows.items() if row.outcome == "ok"}
+        todo = [config for config in todo if config in ran_ok]
     if args.order == "shuffled":
         random.Random(0).shuffle(todo)
     todo = todo[: args.limit] if args.limit is not None else todo
