@@ -11,7 +11,7 @@ import pytest
 from autotune.knobs import complete_config
 from autotune.search.encoding import config_params, suggest_config
 from autotune.search.memory import needs_at_least_as_much_memory
-from autotune.search.proposer import Proposer, journal_storage
+from autotune.search.proposer import REPEATS_BEFORE_UNTRIED, Proposer, journal_storage
 from autotune.search.screening import screen
 from autotune.space import load_space, target_context
 from autotune.steady import steady_state
@@ -71,6 +71,32 @@ def test_rule_rejected_configs_never_reach_a_device_but_are_told(sampler: str) -
     assert len(set(launched)) == len(launched), "no config runs twice"
 
 
+def test_repeats_are_not_results_and_a_converged_sampler_steps_to_the_nearest_untried_config() -> None:
+    from optuna.trial import TrialState
+
+    proposer = Proposer(CPU_DEMO, target_context(CPU_DEMO), None, "t", sampler="tpe", seed=0, startup_trials=2)
+    launched = []
+    for _ in range(40):
+        proposal = proposer.propose()
+        assert proposal is not None
+        launched.append(proposal.config)
+        proposer.complete(proposal, "ok", fake_value(proposal.config))
+    assert len(set(launched)) == len(launched)
+    trials = proposer.study.get_trials(deepcopy=False)
+    repeats = [t for t in trials if "repeat_of" in t.user_attrs]
+    assert repeats and all(t.state == TrialState.FAIL and "config" not in t.user_attrs for t in repeats)
+    assert all(trials[t.user_attrs["repeat_of"]].state == TrialState.COMPLETE for t in repeats)
+    near = [t for t in trials if t.user_attrs.get("source") == "near_repeat"]
+    assert near, "TPE converged on this smooth objective and repeated itself"
+    for trial in near:  # queued after the sampler repeated a config: one knob or more away from it
+        last_repeat = next(t for t in reversed(trials[:trial.number]) if "repeat_of" in t.user_attrs)
+        repeated = trials[last_repeat.user_attrs["repeat_of"]]
+        config, anchor = complete_config(trial.user_attrs["config"]), complete_config(repeated.user_attrs["config"])
+        assert config != anchor and sum(config[k] != anchor[k] for k in CPU_DEMO.tuned) >= 1
+    rejected = [t for t in trials if t.user_attrs.get("outcome") in ("invalid", "oom_predicted")]
+    assert len(trials) <= len(launched) * (REPEATS_BEFORE_UNTRIED + 1) + len(rejected)  # asks stay bounded
+
+
 def test_warm_starts_come_first() -> None:
     proposer = Proposer(CPU_DEMO, target_context(CPU_DEMO), None, "t", sampler="tpe")
     proposer.enqueue_warm_starts()
@@ -97,8 +123,8 @@ def test_an_oom_is_told_once_and_configs_needing_more_memory_are_skipped() -> No
         proposer.complete(proposal, "ok", fake_value(config))
     assert oom_config is not None
     trials = proposer.study.get_trials(deepcopy=False)
-    # Proposed again, the OOM config is answered from its first result (``duplicate_of``), never rerun.
-    ooms = [t for t in trials if t.user_attrs.get("outcome") == "oom" and "duplicate_of" not in t.user_attrs]
+    # Proposed again, the OOM config is told as a repeat of its first result (``repeat_of``), never rerun.
+    ooms = [t for t in trials if t.user_attrs.get("outcome") == "oom"]
     assert len(ooms) == 1 and ooms[0].constraints == {"feasible": 1.0}
     assert ooms[0].user_attrs["peak_memory_bytes"] == 30 * 2**30
     assert any(t.user_attrs.get("outcome") == "oom_predicted" for t in trials)

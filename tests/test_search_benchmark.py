@@ -70,5 +70,5 @@ def test_the_engine_replays_the_table_charging_recorded_seconds(small_table: Pat
         if entry["outcome"] == "oom":
             assert entry["device_seconds"] == pytest.approx(2 * row.cost_seconds)
         # Replayed time is charged, not the seconds the replay took.
-        assert entry["device_seconds"] > 2 * STARTUP > entry["wall_seconds"]
+        assert entry["device_seconds"] >= 2 * STARTUP > entry["wall_seconds"]  # an OOM: its start-up only
     assert trace.reached_at is not None and trace.timeline[-1][1] >= REACH

@@ -4,16 +4,23 @@ Configs the rules reject, and configs that surely need at least the memory of on
 it, never reach a device: they are told to the study at once as infeasible (Optuna's
 constraints: a ``feasible`` constraint > 0 is infeasible), so the sampler
 learns the region to avoid at no cost. OOM, invalid and failed runs are told the same way, with the
-peak memory seen. A config already finished is answered from its earlier result instead of being
-run twice. The study lives in Optuna storage (a journal file in the output directory), so a new
-:class:`Proposer` on the same storage resumes it and ``optuna-dashboard`` can open it.
+peak memory seen. A config proposed again (finished, rejected or in flight) is never run twice: the
+repeat is told to the study as failed (``repeat_of``), which TPE leaves out of its model, so repeats
+neither re-weight a config already counted nor make every later proposal slower (TPE's cost grows
+with the trials it models). Repeats in a row mean the sampler has converged on what it knows; the
+untried config nearest the one it keeps proposing (fewest knobs changed) is queued instead, and
+checked like any proposal: the local step TPE does not take in a discrete space. The study lives
+in Optuna storage (a journal file in the output directory), so a new :class:`Proposer` on the same
+storage resumes it and ``optuna-dashboard`` can open it.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import warnings
 from dataclasses import dataclass
+
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
@@ -29,6 +36,9 @@ log = logging.getLogger(__name__)
 
 INFEASIBLE_OUTCOMES = frozenset({"oom", "invalid", "failed", "hung"})
 
+
+REPEATS_BEFORE_UNTRIED = 2
+"""Repeated proposals in a row after which an untried config is queued instead of asking again."""
 
 CONSTRAINT = "feasible"
 """The one constraint every trial sets: 0 when it ran, 1 when it could not (> 0 is infeasible)."""
@@ -103,11 +113,15 @@ class Proposer:
         self.running: dict[int, tuple[Proposal, optuna.Trial]] = {}
         self.finished: dict[Config, FrozenTrial] = {}
         self.out_of_memory: list[Config] = []
-        self.rejected: dict[Config, tuple[str, str]] = {}
-        """Configs rejected before launch: outcome and reason (asked again, they are told the same)."""
+        self.rejected: dict[Config, tuple[str, str, int]] = {}
+        """Configs rejected before launch: outcome, reason and the study trial that was told so."""
         self.rejections: list[Rejection] = []
         """Rejected proposals not yet collected by :meth:`take_rejections`."""
         self.grid_size = space.size()
+        self._grid: list[Config] | None = None  # the space's configs, listed once an untried one is needed
+        self._untried_rng = random.Random(seed)
+        self._near: Config | None = None
+        """The config the sampler last kept repeating: untried configs are queued nearest to it."""
         for trial in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
             self._remember(trial)
         # Trials left running by a driver that died are lost; their configs may be proposed again.
@@ -157,35 +171,65 @@ class Proposer:
     def propose(self) -> Proposal | None:
         """The next config to run, or ``None`` when every config of the space is settled or in
         flight, or the sampler keeps proposing nothing runnable."""
+        repeats = 0
         for _ in range(self.max_asks):
-            if len({*self.finished, *self.rejected, *(p.config for p, _ in self.running.values())}) >= self.grid_size:
+            if len(self._settled_or_running()) >= self.grid_size:
                 return None
             trial = self.study.ask()
             config = suggest_config(trial, self.space)
+            if (earlier := self._earlier_number(config)) is not None:
+                trial.set_user_attr("repeat_of", earlier)
+                self.study.tell(trial, state=TrialState.FAIL)  # not a new result
+                repeats += 1
+                if repeats >= REPEATS_BEFORE_UNTRIED:
+                    self._near = config
+                    self._queue_untried_near(config)
+                    repeats = 0
+                continue
             trial.set_user_attr("config", config.to_plain())
             source = trial.user_attrs.get("source", "sampler")
-            if config in self.rejected:
-                self._infeasible(trial, config, *self.rejected[config], new=False)
-                continue
-            if config in self.finished:
-                self._repeat(trial, self.finished[config])
-                continue
-            if self.use_rules and (found := violations(config, self.context)):
-                self._infeasible(trial, config, "invalid", "; ".join(f"[{v.rule}] {v.reason}" for v in found))
-                continue
-            if self.use_oom_feedback and (oom := self._dominated_oom(config)) is not None:
-                self._infeasible(trial, config, "oom_predicted",
-                                 f"needs at least the memory of {self.space.describe(oom)}, which ran out")
-                continue
-            if self.use_oom_feedback and self.memory is not None and (why := self.memory.rejection(config)):
-                self._infeasible(trial, config, "oom_predicted", why)
-                continue
-            if any(p.config == config for p, _ in self.running.values()):
-                self.study.tell(trial, state=TrialState.FAIL)  # already running: not a result
+            if (rejection := self._rejection(config)) is not None:
+                self._infeasible(trial, config, *rejection)
+                if source == "near_repeat" and self._near is not None:
+                    self._queue_untried_near(self._near)  # the next nearest, without asking the sampler first
                 continue
             proposal = Proposal(number=trial.number, config=config, source=source)
             self.running[trial.number] = (proposal, trial)
             return proposal
+        return None
+
+    def _settled_or_running(self) -> set[Config]:
+        return {*self.finished, *self.rejected, *(p.config for p, _ in self.running.values())}
+
+    def _earlier_number(self, config: Config) -> int | None:
+        """The study trial that already holds ``config`` (finished, rejected or running), if any."""
+        if config in self.finished:
+            return self.finished[config].number
+        if config in self.rejected:
+            return self.rejected[config][2]
+        return next((number for number, (p, _) in self.running.items() if p.config == config), None)
+
+    def _queue_untried_near(self, anchor: Config) -> None:
+        """Queue the untried config with the fewest knobs changed from ``anchor`` (ties drawn with
+        the study's seed)."""
+        if self._grid is None:
+            self._grid = list(self.space.configs())
+        taken = self._settled_or_running()
+        untried = [other for other in self._grid if other not in taken]
+        if not untried:
+            return
+        self._untried_rng.shuffle(untried)
+        nearest = min(untried, key=lambda other: sum(other[name] != anchor[name] for name in self.space.tuned))
+        self.study.enqueue_trial(config_params(nearest, self.space), user_attrs={"source": "near_repeat"})
+
+    def _rejection(self, config: Config) -> tuple[str, str] | None:
+        """Why ``config`` must not reach a device (outcome, reason), or ``None``."""
+        if self.use_rules and (found := violations(config, self.context)):
+            return "invalid", "; ".join(f"[{v.rule}] {v.reason}" for v in found)
+        if self.use_oom_feedback and (oom := self._dominated_oom(config)) is not None:
+            return "oom_predicted", f"needs at least the memory of {self.space.describe(oom)}, which ran out"
+        if self.use_oom_feedback and self.memory is not None and (why := self.memory.rejection(config)):
+            return "oom_predicted", why
         return None
 
     # -- learning ---------------------------------------------------------------------------------
@@ -212,31 +256,21 @@ class Proposer:
         frozen = self.study.tell(trial, 0.0 if infeasible or value is None else value)
         self._remember(frozen)
 
-    def _infeasible(self, trial: optuna.Trial, config: Config, outcome: str, reason: str, new: bool = True) -> None:
-        if new:
-            self.rejected[config] = (outcome, reason)
-            self.rejections.append(Rejection(trial.number, config, outcome, reason))
+    def _infeasible(self, trial: optuna.Trial, config: Config, outcome: str, reason: str) -> None:
+        self.rejected[config] = (outcome, reason, trial.number)
+        self.rejections.append(Rejection(trial.number, config, outcome, reason))
         trial.set_user_attr("outcome", outcome)
         trial.set_user_attr("reason", reason)
         trial.set_constraint(CONSTRAINT, 1.0)
         trial.set_user_attr("cost_seconds", 0.0)
         self.study.tell(trial, 0.0)
 
-    def _repeat(self, trial: optuna.Trial, earlier: FrozenTrial) -> None:
-        for key in ("outcome", "peak_memory_bytes"):
-            if key in earlier.user_attrs:
-                trial.set_user_attr(key, earlier.user_attrs[key])
-        trial.set_constraint(CONSTRAINT, earlier.constraints.get(CONSTRAINT, 0.0))
-        trial.set_user_attr("duplicate_of", earlier.number)
-        trial.set_user_attr("cost_seconds", 0.0)
-        self.study.tell(trial, earlier.value)
-
     def _remember(self, trial: FrozenTrial) -> None:
-        if "config" not in trial.user_attrs or "duplicate_of" in trial.user_attrs:
+        if "config" not in trial.user_attrs:
             return
         config = complete_config(trial.user_attrs["config"])
         if trial.user_attrs.get("outcome") in ("invalid", "oom_predicted"):
-            self.rejected.setdefault(config, (trial.user_attrs["outcome"], trial.user_attrs.get("reason", "")))
+            self.rejected.setdefault(config, (trial.user_attrs["outcome"], trial.user_attrs.get("reason", ""), trial.number))
             return
         self.finished.setdefault(config, trial)
         if trial.user_attrs.get("outcome") == "oom":
