@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -9,6 +12,7 @@ import pytest
 import yaml
 
 from autotune.contract import StackCapabilities
+from autotune.engine.rundir import JsonLines
 from autotune.knobs import Config, complete_config
 from autotune.model import model_preset
 from autotune.rules import RuleContext
@@ -16,6 +20,7 @@ from autotune.tables import RecordedBurst, append_row
 from trainables import trainable_support
 from trainables.probe import probe
 
+ROOT = Path(__file__).resolve().parent.parent
 FULL_STACK = {"accelerator": "h200", "megatron_core": "0.19.2", "transformer_engine": "2.10.0", "deep_ep": True, "hybrid_ep": True}
 
 
@@ -65,7 +70,7 @@ SPACE = {
               "freeze_vision_model": True},
     "warm_start": [
         {"name": "fast-ep2", "config": {"micro_batch_size": 4, "recompute_granularity": "none", "expert_model_parallel_size": 2}},
-        {"name": "slow", "config": {"micro_batch_size": 1, "recompute_granularity": "full", "expert_model_parallel_size": 1}},
+        {"name": "bring-up", "config": {"micro_batch_size": 1, "recompute_granularity": "full", "expert_model_parallel_size": 1}},
     ],
 }
 
@@ -90,11 +95,13 @@ TEST_MODEL = {
 NEXT_SPACE = SPACE | {
     "name": "engine_test_next",
     "reachable": {"model_tflops_per_s_per_gpu": 1e6, "source": "test: far above anything a CPU reaches"},
-    "tune": {"micro_batch_size": [2]},
-    "fixed": {"moe_token_dispatcher_type": "alltoall", "freeze_vision_model": True, "recompute_granularity": "none"},
+    "tune": {"micro_batch_size": [4]},
+    "fixed": {"moe_token_dispatcher_type": "alltoall", "freeze_vision_model": True, "recompute_granularity": "none",
+              "expert_model_parallel_size": 2},
     "warm_start": [],
 }
-"""A second space for the workflow: its declared reach guarantees the projected headroom is large."""
+"""A second space for the workflow: its declared reach guarantees the projected headroom is large,
+and its one config is the first space's fastest, so screening never prunes it against that best."""
 
 
 def campaign_file(folder: Path, *, max_trials: int, top_k: int = 1, space: dict = SPACE, then_space: dict | None = None,
@@ -108,9 +115,9 @@ def campaign_file(folder: Path, *, max_trials: int, top_k: int = 1, space: dict 
         "hardware": {"accelerator": "cpu", "gpus_per_node": 2, "gpus_per_trial": 2, "data_workers": 0, **hardware},
         "budget": {"max_trials": max_trials},
         # Prune only what is clearly worse (15 % below the best's lower bound): the bring-up-like
-        # "slow" warm start runs at 0.6-0.7x the "fast" one on this model, while the fastest
+        # "bring-up" warm start runs at 0.6-0.7x the "fast" one on this model, while the fastest
         # seeded start-up config still reaches promotion, so the verdict has intervals to compare.
-        "stages": {"warmup_steps": 1, "screen_steps": 12, "promote_top_k": top_k, "promote_steps": 50,
+        "stages": {"warmup_steps": 1, "screen_steps": 16, "promote_top_k": top_k, "promote_steps": 50,
                    "target_relative_half_width": 0.01, "prune_margin": 0.15},
         # Seeded random proposals for the first 4 trials (warm starts included): the same configs every run.
         "search": {"seed": 0, "startup_trials": 4},
@@ -122,6 +129,36 @@ def campaign_file(folder: Path, *, max_trials: int, top_k: int = 1, space: dict 
     path = folder / "campaign.yaml"
     path.write_text(yaml.safe_dump(campaign))
     return path
+
+
+@pytest.fixture(scope="session")
+def cache_env(tmp_path_factory) -> dict[str, str]:
+    return {**os.environ, "AUTOTUNE_CACHE": str(tmp_path_factory.mktemp("cache")), "RAY_ADDRESS": ""}
+
+
+def autotune(*args: str, env: dict[str, str], timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "autotune", *args], capture_output=True, text=True, env=env,
+                          timeout=timeout, cwd=ROOT)
+
+
+def only_run_dir(folder: Path) -> Path:
+    (run_dir,) = (folder / "runs").iterdir()
+    return run_dir
+
+
+def entries(run_dir: Path) -> list[dict]:
+    return list(JsonLines(run_dir / "trials.jsonl").read())
+
+
+@pytest.fixture(scope="session")
+def campaign_run(tmp_path_factory, cache_env) -> tuple[Path, subprocess.CompletedProcess]:
+    """One real campaign (native trainable, two gloo ranks a trial, both spaces of the workflow),
+    shared by the engine's and the report's tests."""
+    folder = tmp_path_factory.mktemp("campaign")
+    result = autotune("run", str(campaign_file(folder, max_trials=4, top_k=2, then_space=NEXT_SPACE)), env=cache_env,
+                      timeout=900)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    return only_run_dir(folder), result
 
 
 # -- a small recorded table for replay campaigns -----------------------------------------------------

@@ -19,6 +19,7 @@ import ray
 from ray import tune
 
 from autotune.campaign import Campaign
+from autotune.engine.faults import exception_chain
 from autotune.engine.ledger import Ledger, Stage
 from autotune.engine.live import LiveView
 from autotune.engine.placement import DomainPlanner
@@ -260,14 +261,8 @@ def _run_stage(stage: Stage, job: TrialJob, run_dir: RunDir, view: LiveView, *,
 def _output_failure(exc: BaseException) -> OSError | OutputUnwritable | None:
     """The disk failure behind an exception Tune raised, if it is one: our own line writes say
     :class:`OutputUnwritable`; the study journal and Tune's files raise a plain ``OSError``."""
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if isinstance(current, OutputUnwritable) or (isinstance(current, OSError) and current.errno in DISK_ERRNOS):
-            return current
-        current = current.__cause__ or current.__context__
-    return None
+    return next((e for e in exception_chain(exc)
+                 if isinstance(e, OutputUnwritable) or (isinstance(e, OSError) and e.errno in DISK_ERRNOS)), None)
 
 
 def _write_winner(run_dir: RunDir, campaign: Campaign, verdict: Verdict) -> None:

@@ -9,23 +9,30 @@ the trial's own actor died or a Ray Train worker it owned; both arrive here as t
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 NODE_LOST = "node_lost"
 _NODE_DEATH_MARKERS = ("node has died", "node died", "nodediederror", "node was preempted", "raylet died",
                        "node is dead")
 
 
+def exception_chain(error: BaseException) -> Iterator[BaseException]:
+    """``error`` and the exceptions behind it (``__cause__``, else ``__context__``), each once."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
+
+
 def node_lost_reason(error: BaseException | str | None) -> str | None:
     """``node_lost: <what Ray said>`` when ``error`` (an exception, with its causes, or its text)
     is a node dying under the trial; ``None`` otherwise."""
-    texts: list[str] = []
-    seen: set[int] = set()
-    current = error
-    while isinstance(current, BaseException) and id(current) not in seen:
-        seen.add(id(current))
-        texts.append(f"{type(current).__name__}: {current}")
-        current = current.__cause__ or current.__context__
-    if isinstance(current, str):
-        texts.append(current)
+    if isinstance(error, BaseException):
+        texts = [f"{type(e).__name__}: {e}" for e in exception_chain(error)]
+    else:
+        texts = [error] if error else []
     for text in texts:
         for line in text.splitlines():
             if any(marker in line.lower() for marker in _NODE_DEATH_MARKERS):

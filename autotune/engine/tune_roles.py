@@ -266,6 +266,12 @@ class HangWatchdog(_DriverOnly, Callback):
                 log.warning("trial %s: %s", trial.trial_id, live.hung)
                 ray.kill(trial.temporary_state.ray_actor, no_restart=True)
 
+    def on_trial_complete(self, iteration: int, trials: list[Trial], trial: Trial, **info) -> None:
+        self.running_since.pop(trial.trial_id, None)
+
+    def on_trial_error(self, iteration: int, trials: list[Trial], trial: Trial, **info) -> None:
+        self.running_since.pop(trial.trial_id, None)
+
 
 class ViewCallback(_DriverOnly, Callback):
     """Refreshes the live view whenever a trial starts, reports or ends."""
