@@ -27,8 +27,8 @@ error_console = Console(stderr=True)
 
 
 def _register() -> None:
-    from autotune.cli import (bench_cmd, burst_cmd, data_cmd, export_cmd, knobs_cmd, probe_cmd, run_cmd,
-                              space_cmd, validate_cmd)
+    from autotune.cli import (bench_cmd, burst_cmd, data_cmd, export_cmd, knobs_cmd, probe_cmd, report_cmd,
+                              run_cmd, space_cmd, validate_cmd)
 
     app.add_typer(space_cmd.app, name="space")
     app.add_typer(data_cmd.app, name="data")
@@ -40,6 +40,8 @@ def _register() -> None:
     app.command("burst")(burst_cmd.burst)
     app.command("export")(export_cmd.export)
     app.command("probe")(probe_cmd.probe)
+    app.command("report")(report_cmd.report)
+    app.command("compare")(report_cmd.compare_runs)
 
 
 def main() -> None:

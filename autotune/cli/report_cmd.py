@@ -1,0 +1,104 @@
+"""``autotune report RUN_DIR``: the self-contained HTML report and a terminal summary;
+``autotune compare RUN_A RUN_B``: two campaigns by useful tokens/s per device and workload shape."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from autotune.knobs import complete_config
+from autotune.report.analysis import RunReport, load_report
+from autotune.report.compare import Comparison, compare
+from autotune.report.page import render_html
+
+REPORT_FILE = "report.html"
+
+
+def report(
+    run_dir: Path = typer.Argument(..., help="A run directory (the folder `autotune run` printed)."),
+    out: Path | None = typer.Option(None, help=f"Where to write the HTML (default: RUN_DIR/{REPORT_FILE})."),
+) -> None:
+    """Write the campaign's HTML report and print its summary."""
+    loaded = load_report(run_dir)
+    target = out or run_dir / REPORT_FILE
+    target.write_text(render_html(loaded), encoding="utf-8")
+    print_summary(Console(), loaded)
+    typer.echo(f"report: {target}")
+
+
+def print_summary(console: Console, loaded: RunReport) -> None:
+    console.print(f"[bold]{escape(loaded.campaign)}[/] · {escape(loaded.verdict.summary)}")
+    for flag in loaded.flags:
+        style = "bold red" if flag.severity == "warning" else "dim"
+        console.print(f"[{style}]{flag.severity}:[/] {escape(flag.text)}")
+    board = Table(title=f"promoted configs and baselines ({loaded.objective})")
+    for column in ("", "config", "mean", "95 % interval", "steps"):
+        board.add_column(column)
+    for row in loaded.board["rows"]:
+        tag = "winner" if row["winner"] else ("tied" if row["tied_with_winner"] else f"#{row['rank']}")
+        interval = "" if row["ci_low"] is None else f"{row['ci_low']:,.0f}–{row['ci_high']:,.0f}"
+        mean = "" if row["objective"] is None else f"{row['objective']:,.0f}"
+        board.add_row(tag, escape(complete_config(row["config"]).describe()), mean, interval, str(row["steps"]))
+    for base in loaded.baselines:
+        estimate = base.get("estimate") or {}
+        board.add_row(base["source"].removeprefix("warm_start:"), escape(complete_config(base["config"]).describe()),
+                      "" if base.get("objective") is None else f"{base['objective']:,.0f}",
+                      f"{estimate['ci_low']:,.0f}–{estimate['ci_high']:,.0f}" if estimate else base["outcome"],
+                      f"{base['steps']} (screen)")
+    console.print(board)
+    gain = loaded.gain_over_bring_up()
+    if gain is not None:
+        console.print(f"winner over bring-up: {gain:+.1%} {loaded.objective}")
+    hours = loaded.device_hours()
+    split = "; ".join(", ".join(f"{key} {value:.3f}" for key, value in hours[group].items() if value)
+                      for group in ("by_stage", "by_outcome") if any(hours[group].values()))
+    console.print(f"device-hours: {hours['total']['all']:.3f}" + (f" ({split})" if split else ""))
+    for split in loaded.stage_splits[:3]:
+        parts = ", ".join(f"{part.removesuffix('_seconds')} {100 * value / split.step_seconds:.0f}%"
+                          for part, value in split.parts.items() if split.step_seconds)
+        console.print(f"stage split {split.trial_id}: {split.step_seconds:.3f} s/step ({parts})")
+
+
+def compare_runs(
+    run_a: Path = typer.Argument(..., help="The first run directory (the reference)."),
+    run_b: Path = typer.Argument(..., help="The second run directory."),
+    as_json: bool = typer.Option(False, "--json", help="Print the comparison as JSON."),
+) -> None:
+    """Compare two campaigns by useful tokens/s per device and workload shape."""
+    result = compare(load_report(run_a), load_report(run_b))
+    if as_json:
+        typer.echo(json.dumps(_plain(result), indent=1, default=str))
+        return
+    console = Console()
+    table = Table(title="by the objective per device, on the same workload")
+    table.add_column("")
+    for s in (result.a, result.b):
+        table.add_column(escape(s.name))
+    rows = [
+        ("layout", result.a.layout, result.b.layout),
+        ("devices per trial", str(result.a.devices_per_trial), str(result.b.devices_per_trial)),
+        ("figure from", result.a.stage, result.b.stage),
+        ("per device", *(f"{s.objective:,.0f}" if s.objective is not None else "–" for s in (result.a, result.b))),
+        ("95 % interval", *(f"{s.ci_low:,.0f}–{s.ci_high:,.0f}" if s.ci_low is not None else "–"
+                            for s in (result.a, result.b))),
+        ("global batch", *(str(s.shapes.get("global_batch_size", "–")) for s in (result.a, result.b))),
+        ("micro-batch", *(str(s.shapes.get("micro_batch_size", "–")) for s in (result.a, result.b))),
+        *((key, str(result.a.workload[key]), str(result.b.workload[key])) for key in ("model", "seq_length",
+                                                                                       "data_realism")),
+    ]
+    for row in rows:
+        table.add_row(*(escape(cell) for cell in row))
+    console.print(table)
+    style = "bold" if result.comparable else "bold red"
+    console.print(f"[{style}]{escape(result.verdict)}[/]")
+
+
+def _plain(result: Comparison) -> dict:
+    from dataclasses import asdict
+
+    return asdict(result)

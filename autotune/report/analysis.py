@@ -1,0 +1,290 @@
+"""What a finished (or stopped) campaign's run directory says, computed once for every view.
+
+Everything here is read from the run directory's own records — ``trials.jsonl``, ``steps.jsonl``,
+``leaderboard.json``, ``spend.json``, the study journal — never re-measured or estimated: the HTML
+page, the terminal summary and ``autotune compare`` all show these numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import warnings
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from autotune.engine.promotion import Verdict, decide, leaderboard
+from autotune.engine.rundir import LEADERBOARD_FILE, PROBE_FILE, SPEND_FILE, RunDir, open_run_dir
+from autotune.knobs import KNOBS, complete_config
+
+log = logging.getLogger(__name__)
+
+STAGE_PARTS = ("vision_seconds", "projector_seconds", "decoder_seconds", "data_wait_seconds")
+"""The parts of a step the trainables time separately (the dispatcher runs inside the decoder)."""
+BRING_UP = "warm_start:bring-up"
+SHAPE_CHECKED = frozenset({"micro_batch_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                           "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size"})
+"""Knobs the contract's ``shapes`` show as run; every other tuned knob needs the trainable's evidence."""
+OUTCOMES = ("ok", "pruned", "oom", "invalid", "failed", "hung", "oom_predicted")
+
+
+@dataclass(frozen=True)
+class Flag:
+    """Something a reader must know before trusting the numbers."""
+
+    severity: str
+    """``warning`` (the result may not mean what it seems) or ``note``."""
+    text: str
+
+
+@dataclass(frozen=True)
+class StageSplit:
+    """Where a trial's steady steps went, in seconds per step (means over its steady window)."""
+
+    trial_id: str
+    label: str
+    step_seconds: float
+    parts: dict[str, float]
+    """``vision_seconds`` … ``data_wait_seconds``; what is left of the step is ``other_seconds``."""
+
+    @property
+    def other_seconds(self) -> float:
+        return max(0.0, self.step_seconds - sum(self.parts.values()))
+
+
+@dataclass
+class RunReport:
+    path: Path
+    campaign: str
+    objective: str
+    """The objective's name, a per-device rate (``useful_tokens_per_s_per_gpu`` by default)."""
+    world_size: int
+    """Devices per trial."""
+    spaces: list[str]
+    entries: list[dict[str, Any]]
+    verdict: Verdict
+    board: dict[str, Any]
+    baselines: list[dict[str, Any]]
+    """The best screening run of each warm start (bring-up first), as the winner's yardstick."""
+    spend: dict[str, Any]
+    tuned_knobs: list[str]
+    importances: dict[str, dict[str, float]]
+    """Per study (one per space): Optuna's parameter importances (fANOVA) over the trials that ran."""
+    stage_splits: list[StageSplit]
+    contract: dict[str, Any] | None
+    probe: dict[str, Any] | None
+    flags: list[Flag] = field(default_factory=list)
+
+    # -- views ---------------------------------------------------------------------------------
+    def launched(self, stage: str | None = None) -> list[dict[str, Any]]:
+        return [e for e in self.entries if e["launched"] and (stage is None or e["stage"] == stage)]
+
+    @property
+    def winner(self) -> dict[str, Any] | None:
+        return self.verdict.winner
+
+    @property
+    def bring_up(self) -> dict[str, Any] | None:
+        """The space's ``bring-up`` warm start as screened (the seed's FSDP-first starting point)."""
+        return next((b for b in self.baselines if b["source"] == BRING_UP), None)
+
+    def gain_over_bring_up(self) -> float | None:
+        """The winner's objective (per device) over bring-up's screening figure, less one."""
+        if self.winner is None or self.bring_up is None or not self.bring_up.get("objective"):
+            return None
+        return self.winner["objective"] / self.bring_up["objective"] - 1
+
+    def device_hours(self) -> dict[str, dict[str, float]]:
+        """Device-hours by stage and by outcome (``spend.json`` holds device-seconds)."""
+        return {
+            "by_stage": {k: v / 3600 for k, v in self.spend.get("by_stage", {}).items()},
+            "by_outcome": {k: v / 3600 for k, v in self.spend.get("by_outcome", {}).items()},
+            "total": {"all": self.spend.get("total", 0.0) / 3600},
+        }
+
+    def knob_slices(self) -> dict[str, list[dict[str, Any]]]:
+        """For each tuned knob, every screening trial's objective (ok or pruned) and its value."""
+        slices: dict[str, list[dict[str, Any]]] = {}
+        screened = [e for e in self.launched("screen") if e.get("objective") is not None
+                    and e["outcome"] in ("ok", "pruned")]
+        for knob in self.tuned_knobs:
+            slices[knob] = [{"value": KNOBS[knob].format(complete_config(e["config"])[knob]),
+                             "objective": e["objective"], "outcome": e["outcome"], "trial_id": e["trial_id"]}
+                            for e in screened]
+        return slices
+
+    def memory_points(self) -> list[dict[str, Any]]:
+        """Finished trials with an objective and a peak memory, marked when on the Pareto front
+        (no other point has more useful tokens/s for no more memory)."""
+        points = [{"trial_id": e["trial_id"], "stage": e["stage"], "objective": e["objective"],
+                   "peak_gib": e["peak_memory_bytes"] / 2**30, "outcome": e["outcome"],
+                   "config": complete_config(e["config"]).describe()}
+                  for e in self.launched() if e.get("objective") is not None and e.get("peak_memory_bytes")
+                  and e["outcome"] in ("ok", "pruned")]
+        for point in points:
+            point["pareto"] = not any(
+                other["objective"] >= point["objective"] and other["peak_gib"] <= point["peak_gib"]
+                and (other["objective"] > point["objective"] or other["peak_gib"] < point["peak_gib"])
+                for other in points)
+        return points
+
+    def outcome_map(self) -> dict[tuple[str, str], Counter]:
+        """Outcomes of every proposal (launched or rejected) over MBS x recompute."""
+        cells: dict[tuple[str, str], Counter] = defaultdict(Counter)
+        for entry in self.entries:
+            if entry["stage"] != "screen":
+                continue
+            config = complete_config(entry["config"])
+            recompute = config.recompute_granularity
+            if recompute == "selective":
+                recompute = f"selective {KNOBS['recompute_modules'].format(config['recompute_modules'])}"
+            cells[(str(config.micro_batch_size), recompute)][entry["outcome"]] += 1
+        return dict(cells)
+
+
+def load_report(path: Path) -> RunReport:
+    """Read a run directory into a :class:`RunReport` (a stopped campaign reports what it has)."""
+    run_dir = open_run_dir(path)
+    campaign = run_dir.load_campaign()
+    entries = list(run_dir.trials.read())
+    promoted = [e for e in entries if e["launched"] and e["stage"] == "promote"]
+    verdict = decide(promoted)
+    board = _read_json(run_dir.path / LEADERBOARD_FILE) or leaderboard(entries, verdict)
+    spend = _read_json(run_dir.path / SPEND_FILE) or _spend(entries)
+    spaces = list(dict.fromkeys(e["space"] for e in entries)) or [campaign.space.name]
+    tuned = list(dict.fromkeys([*campaign.space.tuned, *(campaign.next_space.tuned if campaign.next_space else [])]))
+    report = RunReport(
+        path=run_dir.path,
+        campaign=campaign.spec.name,
+        objective=campaign.spec.objective,
+        world_size=campaign.spec.hardware.gpus_per_trial,
+        spaces=spaces,
+        entries=entries,
+        verdict=verdict,
+        board=board,
+        baselines=_baselines(entries),
+        spend=spend,
+        tuned_knobs=tuned,
+        importances=_importances(run_dir),
+        stage_splits=_stage_splits(run_dir, entries, verdict),
+        contract=(verdict.winner or next((e for e in entries if e.get("contract")), {})).get("contract"),
+        probe=_read_json(run_dir.path / PROBE_FILE),
+    )
+    report.flags = _flags(report, campaign)
+    return report
+
+
+def _read_json(path: Path) -> Any:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
+def _spend(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """``spend.json``'s figures from the trials, for a campaign stopped before writing it."""
+    by_stage: Counter = Counter()
+    by_outcome: Counter = Counter()
+    for entry in entries:
+        by_stage[entry["stage"]] += entry["device_seconds"]
+        by_outcome[entry["outcome"]] += entry["device_seconds"]
+    return {"total": sum(by_stage.values()), "by_stage": dict(by_stage), "by_outcome": dict(by_outcome)}
+
+
+def _baselines(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    best: dict[str, dict[str, Any]] = {}
+    for entry in entries:
+        if entry["launched"] and entry["stage"] == "screen" and entry["source"].startswith("warm_start:"):
+            held = best.get(entry["source"])
+            if held is None or (entry.get("objective") or 0) > (held.get("objective") or 0):
+                best[entry["source"]] = entry
+    return sorted(best.values(), key=lambda e: e["source"] != BRING_UP)
+
+
+def _importances(run_dir: RunDir) -> dict[str, dict[str, float]]:
+    """fANOVA importances per study (one per space); a study too small to tell says nothing."""
+    import optuna
+
+    from autotune.search.proposer import journal_storage
+
+    if not run_dir.study_path.is_file():
+        return {}
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    storage = journal_storage(str(run_dir.study_path))
+    found: dict[str, dict[str, float]] = {}
+    for summary in optuna.get_all_study_summaries(storage):
+        study = optuna.load_study(study_name=summary.study_name, storage=storage)
+        complete = [t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+                    if t.user_attrs.get("outcome") in ("ok", "pruned")]
+        if len(complete) < 3:
+            continue
+        ran = optuna.create_study(direction="maximize")  # only trials that ran: a rejection has no throughput
+        ran.add_trials(complete)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                found[summary.study_name] = optuna.importance.get_param_importances(
+                    ran, evaluator=optuna.importance.FanovaImportanceEvaluator(seed=0))
+        except (RuntimeError, ValueError) as exc:  # a single value everywhere: nothing to attribute
+            log.info("no importances for %s: %s", summary.study_name, exc)
+    return found
+
+
+def _stage_splits(run_dir: RunDir, entries: list[dict[str, Any]], verdict: Verdict) -> list[StageSplit]:
+    """The promoted runs (else the three best screened), split over their steady windows."""
+    chosen = [e for e in entries if e["launched"] and e["stage"] == "promote" and e["outcome"] == "ok"]
+    if not chosen:
+        chosen = sorted((e for e in entries if e["launched"] and e.get("objective") is not None),
+                        key=lambda e: -e["objective"])[:3]
+    chosen.sort(key=lambda e: -(e.get("objective") or 0.0))
+    wanted = {e["trial_id"]: e for e in chosen}
+    records: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for line in run_dir.steps.read():
+        if line["trial_id"] in wanted:
+            records[line["trial_id"]].append(line["record"])
+    splits = []
+    for trial_id, entry in wanted.items():
+        window = (entry.get("contract") or {}).get("steady_window") or {}
+        first = window.get("first_step", 0)
+        steady = [r for r in records[trial_id] if r["step"] >= first] or records[trial_id]
+        if not steady:
+            continue
+        label = ("winner: " if verdict.winner and verdict.winner["trial_id"] == trial_id else "") + \
+            complete_config(entry["config"]).describe()
+        splits.append(StageSplit(
+            trial_id, label, statistics.fmean(r["step_seconds"] for r in steady),
+            {part: statistics.fmean(r[part] for r in steady) for part in STAGE_PARTS}))
+    return splits
+
+
+def _flags(report: RunReport, campaign) -> list[Flag]:
+    flags: list[Flag] = []
+    launched = report.launched()
+    mock = [e for e in launched if e.get("benchmark_only")
+            or ((e.get("contract") or {}).get("data") or {}).get("realism") not in (None, "real", "realistic")]
+    if mock:
+        flags.append(Flag("warning", f"mock (image-free) data in {len(mock)} trial(s): benchmark-only, "
+                                     "never a throughput conclusion"))
+    if not report.launched("screen"):
+        flags.append(Flag("warning", "no screening trial finished"))
+    if not report.launched("promote"):
+        flags.append(Flag("warning", "promotion skipped: no config was re-run long, so there is no verified winner"))
+    elif report.winner is None:
+        flags.append(Flag("warning", f"no winner: {report.verdict.summary}"))
+    if report.verdict.tied:
+        flags.append(Flag("warning", f"tie: {len(report.verdict.tied)} promoted config(s) within the winner's "
+                                     "interval; the ranking between them is noise"))
+    for entry, why in report.verdict.disqualified:
+        flags.append(Flag("warning", f"{entry['trial_id']} ruled out: {why}"))
+    promoted = [e for e in report.launched("promote") if e["outcome"] == "ok"]
+    unchecked = sorted({knob for e in promoted for knob in report.tuned_knobs
+                        if knob not in SHAPE_CHECKED and knob not in ((e.get("evidence") or {}).get("checks") or {})})
+    if unchecked:
+        flags.append(Flag("warning", f"no runtime evidence that these tuned knobs took effect in the promoted "
+                                     f"runs: {', '.join(unchecked)}"))
+    if campaign.replay_table is not None or any((e.get("contract") or {}).get("trainable") == "replay"
+                                                 for e in launched):
+        flags.append(Flag("note", "replayed from a recorded table: throughput as recorded, no stage split"))
+    if not report.stage_splits or all(sum(s.parts.values()) == 0 for s in report.stage_splits):
+        flags.append(Flag("note", "no stage split recorded (vision / projector / decoder)"))
+    return flags

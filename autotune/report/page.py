@@ -1,0 +1,120 @@
+"""The self-contained HTML report: one file, plotly.js inside, nothing fetched when it opens.
+
+Numbers in tables carry their raw value (``data-value``) beside the rounded text, so the page can
+be checked against the run's records (the tests do).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from html import escape
+from typing import Any
+
+import plotly.offline
+
+from autotune.knobs import complete_config
+from autotune.report import figures
+from autotune.report.analysis import RunReport
+
+STYLE = """
+body { font-family: system-ui, sans-serif; margin: 2rem auto; max-width: 1200px; color: #222; }
+h1 { margin-bottom: 0.2rem; } .sub { color: #666; margin-top: 0; }
+.flags { border-left: 6px solid #e76f51; background: #fff4f0; padding: 0.6rem 1rem; margin: 1rem 0; }
+.flags li.note { color: #555; } .flags li.warning { font-weight: 600; }
+.headline { display: flex; gap: 2rem; margin: 1rem 0; } .headline div { background: #f1f6f5; padding: 0.8rem 1.2rem; }
+.headline b { display: block; font-size: 1.5rem; }
+table { border-collapse: collapse; width: 100%; font-size: 0.9rem; }
+th, td { border-bottom: 1px solid #ddd; padding: 0.35rem 0.5rem; text-align: left; vertical-align: top; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
+tr.winner { background: #e9f5f2; } tr.baseline { color: #555; }
+pre { background: #f6f6f6; padding: 1rem; overflow-x: auto; font-size: 0.8rem; }
+"""
+
+
+def _number(value: float | None, digits: int = 0, field: str = "") -> str:
+    if value is None:
+        return '<td class="num">–</td>'
+    return f'<td class="num" data-field="{field}" data-value="{value!r}">{value:,.{digits}f}</td>'
+
+
+def _leaderboard(report: RunReport) -> str:
+    head = ("<tr><th>#</th><th>status</th><th>space</th><th>config</th><th>objective</th><th>95 % low</th>"
+            "<th>95 % high</th><th>screened</th><th>steps</th></tr>")
+    rows = []
+    for row in report.board["rows"]:
+        status = "winner" if row["winner"] else ("tied" if row["tied_with_winner"] else (
+            f"ruled out: {row['ruled_out']}" if row["ruled_out"] else row["outcome"]))
+        rows.append(
+            f'<tr class="{"winner" if row["winner"] else "promoted"}" data-trial="{escape(row["trial_id"])}">'
+            f"<td>{row['rank']}</td><td>{escape(status)}</td><td>{escape(row['space'])}</td>"
+            f"<td>{escape(complete_config(row['config']).describe())}</td>"
+            f"{_number(row['objective'], field='objective')}{_number(row['ci_low'], field='ci_low')}"
+            f"{_number(row['ci_high'], field='ci_high')}{_number(row['screen_objective'], field='screen_objective')}"
+            f"<td>{row['steps']} ({row['steady_steps'] or 0} steady)</td></tr>")
+    for base in report.baselines:
+        estimate = base.get("estimate") or {}
+        rows.append(
+            f'<tr class="baseline" data-trial="{escape(base["trial_id"])}"><td></td>'
+            f"<td>baseline {escape(base['source'].removeprefix('warm_start:'))}: {escape(base['outcome'])}</td>"
+            f"<td>{escape(base['space'])}</td><td>{escape(complete_config(base['config']).describe())}</td>"
+            f"{_number(base.get('objective'), field='objective')}{_number(estimate.get('ci_low'), field='ci_low')}"
+            f"{_number(estimate.get('ci_high'), field='ci_high')}<td></td><td>{base['steps']} (screen)</td></tr>")
+    return f'<table id="leaderboard">{head}{"".join(rows)}</table>'
+
+
+def _spend_table(report: RunReport) -> str:
+    hours = report.device_hours()
+    cells = "".join(f"<tr><td>{escape(group)}</td><td>{escape(key)}</td>{_number(value, 4, f'{group}:{key}')}</tr>"
+                    for group in ("by_stage", "by_outcome") for key, value in hours[group].items())
+    return (f'<table id="spend"><tr><th>split</th><th></th><th>device-hours</th></tr>{cells}'
+            f"<tr><td>total</td><td></td>{_number(hours['total']['all'], 4, 'total')}</tr></table>")
+
+
+def _headline(report: RunReport) -> str:
+    parts = []
+    if report.winner is not None:
+        estimate = report.winner["estimate"]
+        parts.append(f'<div>winner<b id="winner-objective" data-value="{report.winner["objective"]!r}">'
+                     f'{report.winner["objective"]:,.0f}</b>{escape(report.objective)} '
+                     f'(95 % {estimate["ci_low"]:,.0f}–{estimate["ci_high"]:,.0f})</div>')
+    gain = report.gain_over_bring_up()
+    if gain is not None:
+        parts.append(f'<div>over bring-up<b id="gain" data-value="{gain!r}">{gain:+.1%}</b>'
+                     f'bring-up screened {report.bring_up["objective"]:,.0f}</div>')
+    total = report.device_hours()["total"]["all"]
+    parts.append(f'<div>spent<b id="device-hours" data-value="{total!r}">{total:.3f}</b>device-hours, '
+                 f"{len(report.launched())} trials launched</div>")
+    return f'<div class="headline">{"".join(parts)}</div>'
+
+
+def _figure(fig: Any, div_id: str) -> str:
+    if fig is None:
+        return ""
+    return fig.to_html(full_html=False, include_plotlyjs=False, div_id=div_id,
+                       config={"displaylogo": False, "responsive": True})
+
+
+def render_html(report: RunReport) -> str:
+    flags = "".join(f'<li class="{f.severity}">{escape(f.text)}</li>' for f in report.flags)
+    contract = json.dumps(report.contract, indent=1, default=str) if report.contract else "no contract recorded"
+    sections = [
+        ("Leaderboard", _headline(report) + _leaderboard(report) + _figure(figures.intervals(report), "intervals")),
+        ("Knobs", _figure(figures.knob_slices(report), "knob-slices") + _figure(figures.importances(report),
+                                                                                 "importances")),
+        ("Memory", _figure(figures.pareto(report), "pareto") + _figure(figures.outcome_map(report), "outcome-map")),
+        ("Stage split", _figure(figures.stage_split(report), "stage-split")),
+        ("Cost", _figure(figures.spend(report), "spend") + _spend_table(report)),
+        ("Measurement contract", f"<pre id=\"contract\">{escape(contract)}</pre>"),
+    ]
+    body = "".join(f"<h2>{escape(title)}</h2>{content}" for title, content in sections)
+    generated = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return (
+        "<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\">"
+        f"<title>{escape(report.campaign)}: autotune report</title><style>{STYLE}</style>"
+        f"<script>{plotly.offline.get_plotlyjs()}</script></head><body>"
+        f"<h1>{escape(report.campaign)}</h1><p class=\"sub\">{escape(str(report.path))} · "
+        f"{escape(report.verdict.summary)} · generated {generated}</p>"
+        f"<ul class=\"flags\" id=\"flags\">{flags or '<li class=note>nothing flagged</li>'}</ul>"
+        f"{body}</body></html>"
+    )

@@ -1,0 +1,177 @@
+"""`autotune report` and `autotune compare` on a real campaign's run directory (the engine tests'
+campaign): the numbers shown are the run's records, the page works offline in a real headless
+Chromium, and comparisons refuse different workloads."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from autotune.report.analysis import load_report
+from autotune.report.compare import compare
+from conftest import autotune, entries
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+class Numbers(HTMLParser):
+    """Every ``data-value`` on the page, by element id or by (row trial, field)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_id: dict[str, float] = {}
+        self.cells: dict[tuple[str, str], float] = {}
+        self.row: str | None = None
+        self.external: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        found = dict(attrs)
+        if tag == "tr":
+            self.row = found.get("data-trial")
+        for name in ("src", "href"):
+            if (found.get(name) or "").startswith(("http:", "https:", "//")):
+                self.external.append(found[name])
+        if "data-value" in found:
+            if found.get("id"):
+                self.by_id[found["id"]] = float(found["data-value"])
+            else:
+                self.cells[(self.row, found["data-field"])] = float(found["data-value"])
+
+
+@pytest.fixture(scope="module")
+def report_page(campaign_run, cache_env, tmp_path_factory) -> tuple[Path, Path]:
+    run_dir, _ = campaign_run
+    page = tmp_path_factory.mktemp("report") / "report.html"
+    result = autotune("report", str(run_dir), "--out", str(page), env=cache_env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "device-hours" in result.stdout and str(page) in result.stdout
+    return run_dir, page
+
+
+def test_the_page_shows_the_run_records(report_page) -> None:
+    run_dir, page = report_page
+    numbers = Numbers()
+    numbers.feed(page.read_text(encoding="utf-8"))
+    records = entries(run_dir)
+    promoted = [e for e in records if e["launched"] and e["stage"] == "promote"]
+    assert promoted
+    for entry in promoted:
+        assert numbers.cells[(entry["trial_id"], "objective")] == entry["objective"]
+        assert numbers.cells[(entry["trial_id"], "ci_low")] == entry["estimate"]["ci_low"]
+        assert numbers.cells[(entry["trial_id"], "ci_high")] == entry["estimate"]["ci_high"]
+    winner = json.loads((run_dir / "leaderboard.json").read_text())
+    (winner_row,) = [row for row in winner["rows"] if row["winner"]]
+    assert numbers.by_id["winner-objective"] == winner_row["objective"]
+    (bring_up,) = [e for e in records if e["source"] == "warm_start:bring-up"]
+    assert numbers.cells[(bring_up["trial_id"], "objective")] == bring_up["objective"]
+    assert numbers.by_id["gain"] == pytest.approx(winner_row["objective"] / bring_up["objective"] - 1)
+    spend = json.loads((run_dir / "spend.json").read_text())
+    assert numbers.by_id["device-hours"] == pytest.approx(spend["total"] / 3600)
+    for group in ("by_stage", "by_outcome"):
+        for key, seconds in spend[group].items():
+            assert numbers.cells[(None, f"{group}:{key}")] == pytest.approx(seconds / 3600)
+    assert numbers.external == [], "the page loads nothing from the network"
+
+
+def test_the_stage_split_is_the_steady_steps_mean(campaign_run) -> None:
+    run_dir, _ = campaign_run
+    report = load_report(run_dir)
+    steps = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
+    split = report.stage_splits[0]
+    entry = next(e for e in entries(run_dir) if e["trial_id"] == split.trial_id)
+    first = entry["contract"]["steady_window"]["first_step"]
+    steady = [s["record"] for s in steps if s["trial_id"] == split.trial_id and s["record"]["step"] >= first]
+    assert split.label.startswith("winner: ")
+    for part in ("vision_seconds", "projector_seconds", "decoder_seconds", "data_wait_seconds"):
+        assert split.parts[part] == pytest.approx(statistics.fmean(r[part] for r in steady))
+    assert split.parts["vision_seconds"] > 0 and split.parts["decoder_seconds"] > 0
+
+
+def test_flags_say_what_a_reader_must_know(campaign_run, tmp_path) -> None:
+    run_dir, _ = campaign_run
+    assert not [f for f in load_report(run_dir).flags if f.severity == "warning"]
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    lines = [json.loads(line) for line in (copy / "trials.jsonl").read_text().splitlines()]
+    kept = [e | {"benchmark_only": True} for e in lines if e["stage"] != "promote"]
+    (copy / "trials.jsonl").write_text("".join(json.dumps(e) + "\n" for e in kept))
+    (copy / "leaderboard.json").unlink()
+    texts = [f.text for f in load_report(copy).flags]
+    assert any(t.startswith("mock (image-free) data") for t in texts)
+    assert any(t.startswith("promotion skipped") for t in texts)
+
+
+def _chromium(*args: str) -> subprocess.CompletedProcess:
+    if CHROMIUM is None:
+        if os.environ.get("CI"):
+            pytest.fail("chromium is not installed (.ci/run installs Debian's chromium)")
+        pytest.skip("chromium is not installed")
+    return subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                           "--no-first-run", "--enable-logging=stderr", "--v=0", "--virtual-time-budget=10000",
+                           *args], capture_output=True, text=True, timeout=120)
+
+
+def console_errors(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if "CONSOLE" in line and ("Uncaught" in line or "Error" in line)]
+
+
+def test_console_errors_are_caught(tmp_path) -> None:
+    """The check below can fail: a page that throws is seen throwing."""
+    broken = tmp_path / "broken.html"
+    broken.write_text("<html><body><script>undefinedFunction()</script></body></html>")
+    assert console_errors(_chromium("--dump-dom", broken.as_uri()).stderr)
+
+
+def test_the_page_renders_offline_in_chromium(report_page, tmp_path) -> None:
+    _, page = report_page
+    dom = _chromium("--proxy-server=127.0.0.1:9", "--dump-dom", page.as_uri())  # any fetch would fail
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    assert console_errors(dom.stderr) == []
+    assert 'id="leaderboard"' in dom.stdout
+    for figure in ("intervals", "knob-slices", "pareto", "outcome-map", "stage-split", "spend"):
+        assert f'id="{figure}"' in dom.stdout
+    assert dom.stdout.count('class="main-svg"') >= 6, "plotly drew the figures"
+    shot = tmp_path / "report.png"
+    taken = _chromium(f"--screenshot={shot}", "--window-size=1300,2600", page.as_uri())
+    assert taken.returncode == 0 and shot.is_file(), taken.stderr[-2000:]
+    from PIL import Image
+
+    image = Image.open(shot).convert("L")
+    top, plots = image.crop((0, 0, 1300, 700)), image.crop((0, 700, 1300, 2600))
+    for region in (top, plots):  # the leaderboard and the plots below it drew something
+        assert region.getextrema()[0] < 100 and sum(count > 0 for count in region.histogram()) > 20
+
+
+def test_compare_refuses_different_workloads_and_ranks_the_same_one(campaign_run, cache_env, tmp_path) -> None:
+    run_dir, _ = campaign_run
+    fsdp = tmp_path / "fsdp"
+    shutil.copytree(run_dir, fsdp)
+    lines = [json.loads(line) for line in (fsdp / "trials.jsonl").read_text().splitlines()]
+    for entry in lines:  # the same workload trained FSDP-first, 1.5x faster per device
+        entry["config"]["use_torch_fsdp2"] = True
+        if entry.get("objective") is not None:
+            entry["objective"] *= 1.5
+            entry["estimate"] = {**entry["estimate"], **{k: entry["estimate"][k] * 1.5 for k in ("ci_low", "ci_high", "mean")}}
+    (fsdp / "trials.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
+    (fsdp / "leaderboard.json").unlink()
+    result = compare(load_report(run_dir), load_report(fsdp))
+    assert result.comparable and result.ratio == pytest.approx(1.5)
+    assert result.a.layout.startswith("3D") and result.b.layout.startswith("FSDP")
+    assert "1.500x" in result.verdict
+    printed = autotune("compare", str(run_dir), str(fsdp), "--json", env=cache_env, timeout=300)
+    assert printed.returncode == 0, printed.stderr[-2000:]
+    assert json.loads(printed.stdout)["ratio"] == pytest.approx(1.5)
+
+    for entry in lines:
+        if entry.get("contract"):
+            entry["contract"]["model"]["seq_length"] *= 2
+    (fsdp / "trials.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
+    refused = compare(load_report(run_dir), load_report(fsdp))
+    assert not refused.comparable and refused.ratio is None and "seq_length" in refused.verdict
