@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_campaign_writes_every_output(campaign_run) -> None:
     run_dir, result = campaign_run
     for name in ("campaign.yaml", "space.yaml", "study.journal", "steps.jsonl", "trials.jsonl", "leaderboard.json",
-                 "winner.yaml", "spend.json", "probe.json"):
+                 "winner.yaml", "spend.json", "probe.json", "report.html"):
         assert (run_dir / name).is_file(), name
     records = entries(run_dir)
     launched = [e for e in records if e["launched"]]

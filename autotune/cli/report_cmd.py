@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import typer
@@ -11,12 +12,11 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from autotune.engine.rundir import REPORT_FILE
 from autotune.knobs import complete_config
 from autotune.report.analysis import RunReport, load_report
-from autotune.report.compare import Comparison, compare
+from autotune.report.compare import compare
 from autotune.report.page import render_html
-
-REPORT_FILE = "report.html"
 
 
 def report(
@@ -72,7 +72,7 @@ def compare_runs(
     """Compare two campaigns by useful tokens/s per device and workload shape."""
     result = compare(load_report(run_a), load_report(run_b))
     if as_json:
-        typer.echo(json.dumps(_plain(result), indent=1, default=str))
+        typer.echo(json.dumps(asdict(result), indent=1, default=str))
         return
     console = Console()
     table = Table(title="by the objective per device, on the same workload")
@@ -97,8 +97,3 @@ def compare_runs(
     style = "bold" if result.comparable else "bold red"
     console.print(f"[{style}]{escape(result.verdict)}[/]")
 
-
-def _plain(result: Comparison) -> dict:
-    from dataclasses import asdict
-
-    return asdict(result)

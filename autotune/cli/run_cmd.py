@@ -12,10 +12,12 @@ from autotune.campaign import Campaign, builtin_campaign_path, load_campaign
 from autotune.cli import console
 from autotune.engine.driver import CampaignOutcome, connect, resume_campaign, run_campaign
 from autotune.engine.live import LiveView
-from autotune.engine.rundir import WINNER_FILE, create_run_dir, open_run_dir
+from autotune.engine.rundir import REPORT_FILE, WINNER_FILE, create_run_dir, open_run_dir
 from autotune.errors import InputFileError
 from autotune.export import render
 from autotune.knobs import complete_config
+from autotune.report.analysis import load_report
+from autotune.report.page import render_html
 from autotune.survey import survey_space
 
 ADDRESS_HELP = "Ray cluster address (default: RAY_ADDRESS, the job's cluster, or a new local one)."
@@ -98,4 +100,6 @@ def _report(campaign: Campaign, outcome: CampaignOutcome) -> None:
             f"autotune export {escape(str(outcome.run_dir.path))} --format megatron-lm|yaml|json",
             highlight=False, soft_wrap=True,
         )
+    outcome.run_dir.write_text(REPORT_FILE, render_html(load_report(outcome.run_dir.path)))
+    console.print(f"report: {escape(str(outcome.run_dir.path / REPORT_FILE))}", highlight=False, soft_wrap=True)
     console.print(f"outputs: {escape(str(outcome.run_dir.path))}", highlight=False, soft_wrap=True)

@@ -10,6 +10,7 @@ Layout::
     leaderboard.json the promoted configs with intervals, and the verdict (rewritten at the end)
     winner.yaml      the winning config by canonical knob names, with its contract
     spend.json       device-seconds per stage and per outcome
+    report.html      the campaign report (``autotune report`` rebuilds it from the files above)
     ray/             Ray Tune's own experiment folders
 
 Lines are flushed and fsync'ed one by one, so a driver killed with SIGKILL loses at most the
@@ -40,6 +41,7 @@ LEADERBOARD_FILE = "leaderboard.json"
 WINNER_FILE = "winner.yaml"
 SPEND_FILE = "spend.json"
 PROBE_FILE = "probe.json"
+REPORT_FILE = "report.html"
 
 
 class OutputUnwritable(AutotuneError):

@@ -63,7 +63,6 @@ class RunReport:
     """The objective's name, a per-device rate (``useful_tokens_per_s_per_gpu`` by default)."""
     world_size: int
     """Devices per trial."""
-    spaces: list[str]
     entries: list[dict[str, Any]]
     verdict: Verdict
     board: dict[str, Any]
@@ -75,7 +74,9 @@ class RunReport:
     """Per study (one per space): Optuna's parameter importances (fANOVA) over the trials that ran."""
     stage_splits: list[StageSplit]
     contract: dict[str, Any] | None
+    """The winner's measurement contract (else the first recorded one)."""
     probe: dict[str, Any] | None
+    """What the campaign's nodes run (``probe.json``), which the configs were judged against."""
     flags: list[Flag] = field(default_factory=list)
 
     # -- views ---------------------------------------------------------------------------------
@@ -154,14 +155,12 @@ def load_report(path: Path) -> RunReport:
     verdict = decide(promoted)
     board = _read_json(run_dir.path / LEADERBOARD_FILE) or leaderboard(entries, verdict)
     spend = _read_json(run_dir.path / SPEND_FILE) or _spend(entries)
-    spaces = list(dict.fromkeys(e["space"] for e in entries)) or [campaign.space.name]
     tuned = list(dict.fromkeys([*campaign.space.tuned, *(campaign.next_space.tuned if campaign.next_space else [])]))
     report = RunReport(
         path=run_dir.path,
         campaign=campaign.spec.name,
         objective=campaign.spec.objective,
         world_size=campaign.spec.hardware.gpus_per_trial,
-        spaces=spaces,
         entries=entries,
         verdict=verdict,
         board=board,

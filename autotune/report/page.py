@@ -97,7 +97,8 @@ def _figure(fig: Any, div_id: str) -> str:
 
 def render_html(report: RunReport) -> str:
     flags = "".join(f'<li class="{f.severity}">{escape(f.text)}</li>' for f in report.flags)
-    contract = json.dumps(report.contract, indent=1, default=str) if report.contract else "no contract recorded"
+    contract = json.dumps({"winner (else first trial)": report.contract or "no contract recorded",
+                           "cluster probe": report.probe or "no probe recorded"}, indent=1, default=str)
     sections = [
         ("Leaderboard", _headline(report) + _leaderboard(report) + _figure(figures.intervals(report), "intervals")),
         ("Knobs", _figure(figures.knob_slices(report), "knob-slices") + _figure(figures.importances(report),
