@@ -69,8 +69,19 @@ def knob_slices(report: RunReport) -> go.Figure:
                 customdata=[p["trial_id"] for p in chosen],
                 hovertemplate="%{x}: %{y:,.0f}<br>trial %{customdata}<extra></extra>"),
                 row=index // columns + 1, col=index % columns + 1)
-    fig.update_xaxes(type="category")
+    for index, knob in enumerate(knobs):  # values in their natural order, not in the order trials ran
+        values = sorted({p["value"] for p in slices[knob]}, key=_natural)
+        fig.update_xaxes(type="category", categoryorder="array", categoryarray=values,
+                         row=index // columns + 1, col=index % columns + 1)
     return _layout(fig, f"Screened {report.objective} against each knob", 300 * rows + 80)
+
+
+def _natural(text: str) -> tuple[int, float, str]:
+    """Numbers by value, then ``null``, ``false``, ``true`` and other words as text."""
+    try:
+        return 0, float(text), ""
+    except ValueError:
+        return 1, 0.0, text
 
 
 def importances(report: RunReport) -> go.Figure | None:
