@@ -90,6 +90,10 @@ Outcome = Literal["ok", "oom", "invalid", "pruned", "failed", "hung"]
 rejected the config before step 1); ``pruned`` (told to stop); ``failed`` (anything else);
 ``hung`` (no step for the campaign's ``stages.hang_timeout_s``: killed by the campaign's watchdog)."""
 
+FAILED_OUTCOMES = frozenset({"oom", "invalid", "failed", "hung"})
+"""Outcomes of a launched burst that measured no throughput: infeasible to the study, waste to the
+search benchmark."""
+
 DataRealism = Literal["real", "mock"]
 
 

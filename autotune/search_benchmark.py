@@ -41,6 +41,7 @@ import optuna
 from rich.console import Console
 
 from autotune.campaign import Campaign, load_campaign
+from autotune.contract import FAILED_OUTCOMES
 from autotune.engine.driver import run_campaign
 from autotune.engine.live import LiveView
 from autotune.engine.probe import apply_probe, recorded_probes
@@ -54,7 +55,6 @@ from autotune.tables import RecordedBurst, RecordedTable, TableError
 from trainables import REPLAY, burst_runner
 
 REACH = 0.98
-FAILED_OUTCOMES = ("oom", "invalid", "failed", "hung")
 
 
 def deployable(campaign: Campaign, config: Config) -> bool:

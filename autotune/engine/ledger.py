@@ -8,13 +8,13 @@ ledger on the same run directory reads them back, so ``autotune resume`` continu
 from __future__ import annotations
 
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Literal
 
 from autotune.engine.faults import node_lost_reason
-from autotune.engine.rundir import RunDir
+from autotune.engine.rundir import RunDir, spend
 from autotune.engine.trial import read_result
 from autotune.knobs import Config
 from autotune.search.proposer import Rejection
@@ -200,17 +200,5 @@ class Ledger:
         return Counter(e["outcome"] for e in self.entries if e["stage"] == "screen")
 
     def spend(self) -> dict[str, Any]:
-        """Device-seconds (GPU-seconds, or CPU-slot-seconds on a CPU box) per stage and per outcome."""
-        by_stage: dict[str, float] = defaultdict(float)
-        by_outcome: dict[str, float] = defaultdict(float)
-        for entry in self.entries:
-            by_stage[entry["stage"]] += entry["device_seconds"]
-            by_outcome[entry["outcome"]] += entry["device_seconds"]
-        return {
-            "unit": "device-seconds (GPU-seconds; CPU-slot-seconds on a CPU box)",
-            "total": sum(by_stage.values()),
-            "by_stage": dict(by_stage),
-            "by_outcome": dict(by_outcome),
-            "trials": {stage: len(self.launched(stage)) for stage in ("screen", "promote")},
-            "rejected_before_launch": sum(not e["launched"] for e in self.entries),
-        }
+        return spend(self.entries)
+

@@ -20,6 +20,7 @@ trials it had in flight.
 from __future__ import annotations
 
 import json
+from collections import defaultdict
 import os
 import shutil
 from datetime import datetime, timezone
@@ -156,3 +157,20 @@ def open_run_dir(path: Path) -> RunDir:
     if not (path / CAMPAIGN_FILE).is_file():
         raise AutotuneError(f"{path} is not a run directory (no {CAMPAIGN_FILE}); pass the folder `autotune run` printed")
     return RunDir(path)
+
+
+def spend(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """Device-seconds (GPU-seconds, or CPU-slot-seconds on a CPU box) per stage and per outcome."""
+    by_stage: dict[str, float] = defaultdict(float)
+    by_outcome: dict[str, float] = defaultdict(float)
+    for entry in entries:
+        by_stage[entry["stage"]] += entry["device_seconds"]
+        by_outcome[entry["outcome"]] += entry["device_seconds"]
+    return {
+        "unit": "device-seconds (GPU-seconds; CPU-slot-seconds on a CPU box)",
+        "total": sum(by_stage.values()),
+        "by_stage": dict(by_stage),
+        "by_outcome": dict(by_outcome),
+        "trials": {stage: sum(e["launched"] and e["stage"] == stage for e in entries) for stage in ("screen", "promote")},
+        "rejected_before_launch": sum(not e["launched"] for e in entries),
+    }

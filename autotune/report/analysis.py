@@ -1,8 +1,10 @@
 """What a finished (or stopped) campaign's run directory says, computed once for every view.
 
 Everything here is read from the run directory's own records — ``trials.jsonl``, ``steps.jsonl``,
-``leaderboard.json``, ``spend.json``, the study journal — never re-measured or estimated: the HTML
-page, the terminal summary and ``autotune compare`` all show these numbers.
+the study journal, ``probe.json`` — never re-measured or estimated; the leaderboard and the spend
+are derived from ``trials.jsonl`` as the campaign derives them, so a campaign stopped before writing
+``leaderboard.json`` or ``spend.json`` reports the same way. The HTML page, the terminal summary and
+``autotune compare`` all show these numbers.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from autotune.engine.promotion import Verdict, decide, leaderboard
-from autotune.engine.rundir import LEADERBOARD_FILE, PROBE_FILE, SPEND_FILE, RunDir, open_run_dir
+from autotune.engine.rundir import PROBE_FILE, RunDir, open_run_dir, spend
 from autotune.knobs import KNOBS, complete_config
 
 log = logging.getLogger(__name__)
@@ -99,7 +101,7 @@ class RunReport:
         return self.winner["objective"] / self.bring_up["objective"] - 1
 
     def device_hours(self) -> dict[str, dict[str, float]]:
-        """Device-hours by stage and by outcome (``spend.json`` holds device-seconds)."""
+        """Device-hours by stage and by outcome (the spend is in device-seconds)."""
         return {
             "by_stage": {k: v / 3600 for k, v in self.spend.get("by_stage", {}).items()},
             "by_outcome": {k: v / 3600 for k, v in self.spend.get("by_outcome", {}).items()},
@@ -153,8 +155,6 @@ def load_report(path: Path) -> RunReport:
     entries = list(run_dir.trials.read())
     promoted = [e for e in entries if e["launched"] and e["stage"] == "promote"]
     verdict = decide(promoted)
-    board = _read_json(run_dir.path / LEADERBOARD_FILE) or leaderboard(entries, verdict)
-    spend = _read_json(run_dir.path / SPEND_FILE) or _spend(entries)
     tuned = list(dict.fromkeys([*campaign.space.tuned, *(campaign.next_space.tuned if campaign.next_space else [])]))
     report = RunReport(
         path=run_dir.path,
@@ -163,9 +163,9 @@ def load_report(path: Path) -> RunReport:
         world_size=campaign.spec.hardware.gpus_per_trial,
         entries=entries,
         verdict=verdict,
-        board=board,
+        board=leaderboard(entries, verdict),
         baselines=_baselines(entries),
-        spend=spend,
+        spend=spend(entries),
         tuned_knobs=tuned,
         importances=_importances(run_dir),
         stage_splits=_stage_splits(run_dir, entries, verdict),
@@ -178,16 +178,6 @@ def load_report(path: Path) -> RunReport:
 
 def _read_json(path: Path) -> Any:
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
-
-
-def _spend(entries: list[dict[str, Any]]) -> dict[str, Any]:
-    """``spend.json``'s figures from the trials, for a campaign stopped before writing it."""
-    by_stage: Counter = Counter()
-    by_outcome: Counter = Counter()
-    for entry in entries:
-        by_stage[entry["stage"]] += entry["device_seconds"]
-        by_outcome[entry["outcome"]] += entry["device_seconds"]
-    return {"total": sum(by_stage.values()), "by_stage": dict(by_stage), "by_outcome": dict(by_outcome)}
 
 
 def _baselines(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:

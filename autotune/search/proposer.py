@@ -25,6 +25,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from autotune.campaign import SamplerName
+from autotune.contract import FAILED_OUTCOMES
 from autotune.knobs import Config, complete_config
 from autotune.memory_model import MemoryModel
 from autotune.rules import RuleContext, violations
@@ -33,9 +34,6 @@ from autotune.search.memory import needs_at_least_as_much_memory
 from autotune.space import SearchSpace
 
 log = logging.getLogger(__name__)
-
-INFEASIBLE_OUTCOMES = frozenset({"oom", "invalid", "failed", "hung"})
-
 
 REPEATS_BEFORE_UNTRIED = 2
 """Repeated proposals in a row after which an untried config is queued instead of asking again."""
@@ -246,7 +244,7 @@ class Proposer:
         """Tell the study how ``proposal`` ended. ``value`` is the objective (a pruned trial's
         partial estimate); infeasible outcomes are told with value 0 and a violated constraint."""
         _, trial = self.running.pop(proposal.number)
-        infeasible = outcome in INFEASIBLE_OUTCOMES
+        infeasible = outcome in FAILED_OUTCOMES
         trial.set_user_attr("outcome", outcome)
         trial.set_user_attr("cost_seconds", cost_seconds)
         trial.set_user_attr("peak_memory_bytes", peak_memory_bytes)
