@@ -102,6 +102,9 @@ class StackSection(_Strict):
 
 class BudgetSection(_Strict):
     max_trials: int = Field(ge=1)
+    patience: int | None = Field(default=None, ge=1)
+    """Screening ends once this many screens in a row found nothing faster than the best so far
+    (configs rejected before launch cost nothing and do not count)."""
     gpu_hours: float | None = Field(default=None, gt=0)
     deadline: datetime | None = None
     """ISO 8601 with a time zone, e.g. ``2026-12-02T06:00:00Z``."""
@@ -148,6 +151,9 @@ class SearchSection(_Strict):
     memory_model: bool = True
     """Reject before launch the configs the memory model, calibrated on this campaign's peaks,
     predicts over the GPU memory limit (autotune/memory_model.py)."""
+    memory_frontier: bool = True
+    """Before the sampler, walk the incumbent's memory frontier: the largest micro-batch that fits
+    with the most memory saved, then the recompute it no longer needs (autotune/search/frontier.py)."""
 
 
 class WorkflowSection(_Strict):

@@ -35,3 +35,25 @@ def slow_start() -> None:
         return recorded(request, reporter)
 
     replay.run_replay = slow
+
+
+def first_bursts_wait() -> None:
+    """Bursts that start within 15 s of the first one wait until then (every rank of the first
+    trial does: they start together), long enough for a test to find the trial's workers and take
+    a node away; later bursts run as recorded. The first burst's time is a file's (``AUTOTUNE_TEST_MARK``)."""
+    import os
+
+    import trainables.replay.burst as replay
+
+    recorded = replay.run_replay
+    mark = os.environ["AUTOTUNE_TEST_MARK"]
+
+    def waiting(request, reporter=None):
+        try:
+            os.close(os.open(mark, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            pass
+        time.sleep(max(0.0, os.stat(mark).st_mtime + 15 - time.time()))
+        return recorded(request, reporter)
+
+    replay.run_replay = waiting

@@ -163,15 +163,18 @@ def entry(trial_id: str, stage: str, objective: float | None, ci: float = 1.0, o
             "benchmark_only": False, "reason": ""}
 
 
-def test_promotion_takes_the_best_distinct_configs_and_skips_promoted_ones() -> None:
+def test_promotion_takes_the_best_distinct_configs_within_reach_and_skips_promoted_ones() -> None:
     records = [entry("a", "screen", 10.0, micro_batch_size=1), entry("b", "screen", 30.0, micro_batch_size=2),
-               entry("c", "screen", 30.5, micro_batch_size=2), entry("d", "screen", 20.0, micro_batch_size=4),
+               entry("c", "screen", 30.5, micro_batch_size=2), entry("d", "screen", 20.0, ci=9.0, micro_batch_size=4),
                entry("e", "screen", None, outcome="oom", micro_batch_size=8)]
-    chosen = promotion_candidates(records, 2, "s")
+    chosen = promotion_candidates(records, 2, "s", margin=0.02)
     assert [c.micro_batch_size for c, _ in chosen] == [2, 4]
     records.append(entry("p", "promote", 31.0, micro_batch_size=2))
-    assert [c.micro_batch_size for c, _ in promotion_candidates(records, 2, "s")] == [4]
-    assert promotion_candidates(records, 2, "another space") == []
+    assert [c.micro_batch_size for c, _ in promotion_candidates(records, 2, "s", margin=0.02)] == [4]
+    assert promotion_candidates(records, 2, "another space", margin=0.02) == []
+    # d's screen (20 +- 5) cannot reach the best's lower bound (29.5) less 2 %: no long run confirms it
+    records[3] = entry("d", "screen", 20.0, ci=5.0, micro_batch_size=4)
+    assert [c.micro_batch_size for c, _ in promotion_candidates(records[:-1], 3, "s", margin=0.02)] == [2]
 
 
 def test_verdict_ties_overlapping_intervals_and_rules_out_contradicted_evidence() -> None:
@@ -217,3 +220,36 @@ def test_ray_train_launcher_runs_an_ep2_burst_on_a_two_worker_group(tmp_path, ph
     assert end["outcome"] == "ok", end["error"]
     assert len(steps) == 3 and steps[0]["contract"]["hardware"]["world_size"] == 2
     assert end["evidence"]["ep_group_size"] == 2 and end["evidence"]["checks"]["expert_model_parallel_size"]
+
+
+class _Screens:
+    """The part of the ledger a budget reads: the launched screens of a space, in finishing order."""
+
+    def __init__(self, records: list[dict]) -> None:
+        self.records, self.live = records, {}
+
+    def launched(self, stage: str, space: str | None = None) -> list[dict]:
+        return [e for e in self.records if e["stage"] == stage and space in (None, e["space"])]
+
+
+def test_patience_ends_screening_after_that_many_screens_in_a_row_find_nothing_faster(tmp_path) -> None:
+    from dataclasses import replace
+
+    from autotune.campaign import load_campaign
+    from autotune.engine.tune_roles import Budget
+
+    campaign = load_campaign(campaign_file(tmp_path, max_trials=20))
+    spec = campaign.spec.model_copy(update={"budget": campaign.spec.budget.model_copy(update={"patience": 3})})
+    campaign = replace(campaign, spec=spec)
+    records = [entry("a", "screen", 10.0), entry("b", "screen", 30.0, micro_batch_size=2),
+               entry("c", "screen", None, outcome="oom", micro_batch_size=4),
+               entry("d", "screen", 25.0, outcome="pruned", micro_batch_size=8)]
+    budget = Budget(campaign, _Screens(records), "s")
+    assert budget.plateaued() is None  # two screens since the best
+    records.append(entry("e", "screen", 29.0, recompute_granularity="full"))  # slower: the third
+    assert budget.plateaued() == "3 screens in a row found nothing faster than the best (patience 3)"
+    records[-1] = entry("e", "screen", 31.0, recompute_granularity="full")  # faster: the count starts again
+    assert budget.plateaued() is None
+    lost = entry("f", "screen", None, outcome="failed", micro_batch_size=2) | {"reason": "node_lost: node died"}
+    records.extend([lost, lost, lost])  # the cluster failed, not the search: not counted
+    assert budget.plateaued() is None

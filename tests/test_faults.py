@@ -25,7 +25,7 @@ from autotune.engine.live import LiveView
 from autotune.engine.rundir import TRIALS_FILE, create_run_dir
 from autotune.errors import AutotuneError
 from autotune.search_benchmark import replay_campaign
-from autotune.tables import load_table
+from autotune.tables import append_row, load_table
 from conftest import campaign_file
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,11 +70,11 @@ def test_a_disk_that_fills_up_mid_campaign_stops_it_cleanly(small_table: Path, r
     assert len(lines) == 2 and all(json.loads(line)["config"] for line in lines)
 
 
-def worker_hook(name: str) -> dict:
+def worker_hook(name: str, **env: str) -> dict:
     """A runtime env whose workers run ``replay_hooks.<name>`` at start (tests/ on their path)."""
     tests = str(Path(__file__).resolve().parent)
     path = os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))
-    return {"worker_process_setup_hook": f"replay_hooks.{name}", "env_vars": {"PYTHONPATH": path}}
+    return {"worker_process_setup_hook": f"replay_hooks.{name}", "env_vars": {"PYTHONPATH": path, **env}}
 
 
 @pytest.fixture
@@ -172,3 +172,73 @@ def test_only_a_dead_node_reads_as_node_lost() -> None:
     assert node_lost_reason(RuntimeError("collective failed")) is None
     assert node_lost_reason("OutOfMemoryError: CUDA out of memory") is None
     assert node_lost_reason(None) is None
+
+
+@pytest.fixture
+def one_slot_nodes(tmp_path: Path):
+    """A head that runs nothing and four 1-CPU nodes: a ``ray_train`` trial's own process (0.01 CPU)
+    leaves its node too little for one of its workers (0.995 CPU each), so its two workers always
+    run on two other nodes."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    nodes = [cluster.add_node(num_cpus=1) for _ in range(4)]
+    ray.init(address=cluster.address, log_to_driver=False, configure_logging=False,
+             runtime_env=worker_hook("first_bursts_wait", AUTOTUNE_TEST_MARK=str(tmp_path / "first-burst")))
+    try:
+        yield cluster, nodes
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def test_a_worker_group_that_loses_a_node_under_a_living_trial_is_node_lost_and_runs_once_more(
+        small_table: Path, one_slot_nodes) -> None:
+    from ray.util.state import list_actors
+
+    cluster, nodes = one_slot_nodes
+    # Every row runs out of memory at its first step: one screening trial (and its retry), no
+    # promotion - a Ray Train worker group reports each step through its controller, about 2 s a
+    # step on this box, and this test is about the screen.
+    table = small_table.parent / "oom_table.jsonl"
+    for row in load_table(small_table).rows.values():
+        append_row(table, row.model_copy(update={"outcome": "oom", "step_seconds": [], "useful_tokens_per_step": 0,
+                                                 "peak_memory_gib": None, "error": "OutOfMemoryError"}))
+    campaign = replay_campaign(load_table(table), 0, small_table.parent / "runs")
+    hardware = campaign.spec.hardware.model_copy(update={"launcher": "ray_train"})  # a rehearsal: workers hold slots
+    budget = campaign.spec.budget.model_copy(update={"max_trials": 1})
+    campaign = dataclasses.replace(campaign, spec=campaign.spec.model_copy(update={"hardware": hardware, "budget": budget}))
+    run_dir = create_run_dir(campaign)
+    finished: list[BaseException | None] = []
+
+    def drive() -> None:
+        try:
+            with LiveView(Console(file=StringIO()), campaign.space, campaign.spec.objective) as view:
+                run_campaign(campaign, run_dir, view)
+            finished.append(None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            finished.append(exc)
+
+    driver = threading.Thread(target=drive)
+    driver.start()
+    deadline = time.monotonic() + 180
+    trial, workers, running = None, [], small_table.parent / "first-burst"  # the hook's mark: bursts began
+    while not (trial and len(workers) == 2 and running.exists()) and time.monotonic() < deadline:
+        alive = list_actors(filters=[("state", "=", "ALIVE")])
+        trial = next((a for a in alive if "ImplicitFunc" in a.class_name), None)
+        workers = [a for a in alive if "RayTrainWorker" in a.class_name]
+        time.sleep(0.5)
+    assert trial is not None and len(workers) == 2 and running.exists(), "no ray_train trial started its burst"
+    assert trial.node_id not in {w.node_id for w in workers}
+    (victim,) = [node for node in nodes if node.node_id == workers[0].node_id]
+    cluster.remove_node(victim)  # the trial's own process lives on; one of its workers does not
+    driver.join(timeout=600)
+    assert finished == [None], finished
+
+    launched = [entry for entry in run_dir.trials.read() if entry["launched"]]
+    lost = [entry for entry in launched if entry["reason"].startswith("node_lost")]
+    assert len(lost) == 1 and lost[0]["outcome"] == "failed", [(e["outcome"], e["reason"]) for e in launched]
+    again = [entry for entry in launched if entry["source"].endswith("again after node_lost")]
+    assert len(again) == 1 and again[0]["config"] == lost[0]["config"] and again[0]["outcome"] == "oom"
+    assert len(launched) == 2  # the budget's one trial, and its retry on top

@@ -140,6 +140,11 @@ def test_memory_dominance() -> None:
     assert not needs_at_least_as_much_memory(complete_config({**base, "freeze_vision_model": True}), oom)
     assert not needs_at_least_as_much_memory(complete_config({"micro_batch_size": 2, "recompute_granularity": "full"}), oom)
     assert not needs_at_least_as_much_memory(complete_config({**base, "expert_model_parallel_size": 2}), oom)
+    graphed = {**base, "cuda_graph_impl": "local", "cuda_graph_scope": ["attn", "moe_router"]}
+    assert needs_at_least_as_much_memory(complete_config(graphed), oom)  # graphs only add buffers
+    assert not needs_at_least_as_much_memory(complete_config(base), complete_config(graphed))
+    assert not needs_at_least_as_much_memory(complete_config({**graphed, "cuda_graph_scope": ["attn"]}),
+                                             complete_config(graphed))  # another scope: not compared
 
 
 def test_study_resumes_from_the_journal_file(tmp_path: Path) -> None:

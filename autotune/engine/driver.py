@@ -139,6 +139,7 @@ def _tune_space(campaign: Campaign, space: SearchSpace, study_name: str, run_dir
         sampler=spec.search.sampler, seed=spec.search.seed, startup_trials=spec.search.startup_trials,
         memory=MemoryModel(campaign.model, spec.hardware.gpus_per_trial, memory_limit) if spec.search.memory_model
         else None,
+        memory_frontier=spec.search.memory_frontier,
     )
     proposer.enqueue_warm_starts()
     for earlier in spec.search.warm_start_from:
@@ -148,7 +149,7 @@ def _tune_space(campaign: Campaign, space: SearchSpace, study_name: str, run_dir
     budget = Budget(campaign, ledger, space.name)
     watchdog = HangWatchdog(ledger, spec.stages.hang_timeout_s)
     view.attach(ledger, budget, space)
-    if budget.trials_left() and not budget.exhausted():
+    if budget.trials_left() and not budget.exhausted() and not budget.plateaued():
         _run_stage(
             "screen", job, run_dir, view,
             searcher=StudySearcher(proposer, ledger, budget, spec.stages.screen_steps, planner,
@@ -157,9 +158,10 @@ def _tune_space(campaign: Campaign, space: SearchSpace, study_name: str, run_dir
             # each trial may run once more after losing its node
             samples=2 * budget.trials_left(), stopper=BudgetStopper(budget, ledger), watchdog=watchdog,
         )
-        if (why := budget.exhausted()) is not None:
+        if (why := budget.exhausted() or budget.plateaued()) is not None:
             view.note(f"screening ended early: {why}")
-    candidates = promotion_candidates(ledger.entries, spec.stages.promote_top_k, space.name)
+    candidates = promotion_candidates(ledger.entries, spec.stages.promote_top_k, space.name,
+                                      spec.stages.prune_margin)
     if candidates:
         view.note(f"promoting {len(candidates)} config(s) of {space.name} for {spec.stages.promote_steps} steps")
         _run_stage(

@@ -13,8 +13,12 @@ from typing import Any
 from autotune.knobs import Config, complete_config
 
 
-def promotion_candidates(entries: list[dict[str, Any]], top_k: int, space: str) -> list[tuple[Config, str]]:
-    """The ``top_k`` best distinct configs screened in ``space`` (ok outcome), best first, not yet promoted."""
+def promotion_candidates(entries: list[dict[str, Any]], top_k: int, space: str,
+                         margin: float) -> list[tuple[Config, str]]:
+    """The ``top_k`` best distinct configs screened in ``space`` (ok outcome), best first, not yet
+    promoted, leaving out those the best screen beat beyond the intervals by ``margin`` (the
+    screening scheduler's pruning rule, applied once all screens are in: a long run of a config
+    its screen already ruled out would only confirm it)."""
     entries = [e for e in entries if e["space"] == space]
     promoted = {complete_config(e["config"]) for e in entries if e["launched"] and e["stage"] == "promote"}
     screened = sorted(
@@ -30,6 +34,8 @@ def promotion_candidates(entries: list[dict[str, Any]], top_k: int, space: str) 
             continue
         seen.add(config)
         if len(seen) > top_k:
+            break
+        if entry["estimate"]["ci_high"] < screened[0]["estimate"]["ci_low"] * (1 - margin):
             break
         if config not in promoted:
             chosen.append((config, f"screen:{entry['trial_id']}"))

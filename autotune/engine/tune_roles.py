@@ -50,8 +50,8 @@ class _DriverOnly:
 
 
 class Budget:
-    """A space's screening budget: ``max_trials`` for the space, device-hours and deadline for the
-    whole campaign."""
+    """A space's screening budget: ``max_trials`` and ``patience`` for the space, device-hours and
+    deadline for the whole campaign."""
 
     def __init__(self, campaign: Campaign, ledger: Ledger, space: str) -> None:
         self.spec = campaign.spec.budget
@@ -62,6 +62,23 @@ class Budget:
         # a trial that lost its node is run again, and counted once
         launched = [e for e in self.ledger.launched("screen", self.space) if not e["reason"].startswith(NODE_LOST)]
         return max(0, self.spec.max_trials - len(launched) - len(running))
+
+    def plateaued(self) -> str | None:
+        """Why screening of the space has stopped paying (``patience`` screens in a row found
+        nothing faster), or ``None``."""
+        if self.spec.patience is None:
+            return None
+        best, since = float("-inf"), 0
+        for entry in self.ledger.launched("screen", self.space):
+            if entry["reason"].startswith(NODE_LOST):
+                continue
+            if entry["outcome"] == "ok" and entry.get("objective") is not None and entry["objective"] > best:
+                best, since = entry["objective"], 0
+            else:
+                since += 1
+        if since < self.spec.patience:
+            return None
+        return f"{since} screens in a row found nothing faster than the best (patience {self.spec.patience})"
 
     def exhausted(self) -> str | None:
         """Why no more screening may start (or run), or ``None``."""
@@ -124,6 +141,8 @@ class StudySearcher(_PlacingSearcher):
             proposal, _ = self.retries.pop(0)
             return self._launch(trial_id, proposal, f"{proposal.source}, again after node_lost")
         if self.budget.trials_left() == 0 or self.space_exhausted:
+            return self._finish()
+        if self.budget.plateaued() is not None:
             return self._finish()
         proposal = self.proposer.propose()
         for rejection in self.proposer.take_rejections():

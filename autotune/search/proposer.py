@@ -9,7 +9,9 @@ repeat is told to the study as failed (``repeat_of``), which TPE leaves out of i
 neither re-weight a config already counted nor make every later proposal slower (TPE's cost grows
 with the trials it models). Repeats in a row mean the sampler has converged on what it knows; the
 untried config nearest the one it keeps proposing (fewest knobs changed) is queued instead, and
-checked like any proposal: the local step TPE does not take in a discrete space. The study lives
+checked like any proposal: the local step TPE does not take in a discrete space. Before the sampler
+proposes, the memory frontier of the incumbent is walked (autotune/search/frontier.py): the largest
+micro-batch that fits, then the recompute it no longer needs. The study lives
 in Optuna storage (a journal file in the output directory), so a new :class:`Proposer` on the same
 storage resumes it and ``optuna-dashboard`` can open it.
 """
@@ -30,6 +32,7 @@ from autotune.knobs import Config, complete_config
 from autotune.memory_model import MemoryModel
 from autotune.rules import RuleContext, violations
 from autotune.search.encoding import config_params, suggest_config
+from autotune.search.frontier import MemoryFrontier, Result
 from autotune.search.memory import needs_at_least_as_much_memory
 from autotune.space import SearchSpace
 
@@ -96,6 +99,7 @@ class Proposer:
         use_rules: bool = True,
         use_oom_feedback: bool = True,
         memory: MemoryModel | None = None,
+        memory_frontier: bool = True,
         max_asks: int = 500,
     ) -> None:
         self.space, self.context, self.memory = space, context, memory
@@ -115,11 +119,11 @@ class Proposer:
         """Configs rejected before launch: outcome, reason and the study trial that was told so."""
         self.rejections: list[Rejection] = []
         """Rejected proposals not yet collected by :meth:`take_rejections`."""
-        self.grid_size = space.size()
-        self._grid: list[Config] | None = None  # the space's configs, listed once an untried one is needed
+        self.grid = list(space.configs())
         self._untried_rng = random.Random(seed)
         self._near: Config | None = None
         """The config the sampler last kept repeating: untried configs are queued nearest to it."""
+        self.frontier = MemoryFrontier(space, self.grid) if memory_frontier else None
         for trial in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
             self._remember(trial)
         # Trials left running by a driver that died are lost; their configs may be proposed again.
@@ -171,8 +175,10 @@ class Proposer:
         flight, or the sampler keeps proposing nothing runnable."""
         repeats = 0
         for _ in range(self.max_asks):
-            if len(self._settled_or_running()) >= self.grid_size:
+            if len(self._settled_or_running()) >= len(self.grid):
                 return None
+            if self.frontier is not None:
+                self._queue_frontier_step()
             trial = self.study.ask()
             config = suggest_config(trial, self.space)
             if (earlier := self._earlier_number(config)) is not None:
@@ -196,6 +202,20 @@ class Proposer:
             return proposal
         return None
 
+    def _queue_frontier_step(self) -> None:
+        """Queue the frontier walk's next config, once the queue (warm starts, earlier steps) is empty."""
+        if self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
+            return
+        results = {config: Result(trial.user_attrs.get("outcome", "ok"), trial.value)
+                   for config, trial in self.finished.items()}
+        results.update((config, Result(outcome, None)) for config, (outcome, _, _) in self.rejected.items())
+        measured = [(trial.value, config) for config, trial in self.finished.items()
+                    if trial.user_attrs.get("outcome") == "ok" and trial.value is not None]
+        incumbent = max(measured, key=lambda item: item[0])[1] if measured else None
+        step = self.frontier.next(incumbent, results, {p.config for p, _ in self.running.values()})
+        if isinstance(step, Config):
+            self.study.enqueue_trial(config_params(step, self.space), user_attrs={"source": "frontier"})
+
     def _settled_or_running(self) -> set[Config]:
         return {*self.finished, *self.rejected, *(p.config for p, _ in self.running.values())}
 
@@ -210,10 +230,8 @@ class Proposer:
     def _queue_untried_near(self, anchor: Config) -> None:
         """Queue the untried config with the fewest knobs changed from ``anchor`` (ties drawn with
         the study's seed)."""
-        if self._grid is None:
-            self._grid = list(self.space.configs())
         taken = self._settled_or_running()
-        untried = [other for other in self._grid if other not in taken]
+        untried = [other for other in self.grid if other not in taken]
         if not untried:
             return
         self._untried_rng.shuffle(untried)

@@ -1,0 +1,131 @@
+"""The memory frontier: the largest micro-batch that fits, then what its memory buys back.
+
+VLM throughput is very sensitive to the micro-batch size (the seed), and a larger micro-batch only
+costs memory, which recompute, sharding and frozen parts pay for. A sampler learns that from many
+trials; a performance engineer walks it directly. So, between the warm starts and the sampler, the
+search walks the frontier of the incumbent (the best config run so far), changing only the memory
+knobs, with every part the space lets freeze frozen (the seed: a small real gain, and memory saved):
+
+1. From the largest micro-batch down to the incumbent's, the config that saves the most memory
+   (full recompute first); the first that runs sets the frontier's micro-batch. One that runs out
+   of memory sends the walk to the next smaller micro-batch; one that cannot run for another reason
+   (a rule, a crash) to the next most saving config at the same micro-batch. At the incumbent's own
+   micro-batch the incumbent itself is the config that fits (saving more would only cost time).
+2. At that micro-batch, recompute is relaxed a level at a time — selective sets from the largest to
+   the smallest, then none — trying each level's options, for as long as a level beats the one
+   before it: recompute the memory no longer needs only costs time ("selective beats full once the
+   model fits"), and once relaxing stops paying, relaxing further rarely does.
+3. The best config of the walk is tried with each other data-parallel sharding the space offers
+   (FSDP against DDP): the other trade of memory for time, settled once recompute is.
+
+The walk is a function of the results so far, so a campaign that resumes walks on from where it
+was, and a new incumbent (found by the sampler, or by step 3) walks from where it stands: with
+nothing larger that fits, only what lies below its own recompute level is new.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import groupby
+from typing import Iterable, Literal, Mapping
+
+from autotune.knobs import KNOBS, Config
+from autotune.search.memory import FREEZE_KNOBS, MEMORY_KNOBS, recompute_saving
+from autotune.space import SearchSpace
+
+OUT_OF_MEMORY = frozenset({"oom", "oom_predicted"})
+SHARDING_KNOBS = frozenset({"use_megatron_fsdp", "data_parallel_sharding_strategy", "use_torch_fsdp2"})
+
+Step = Config | Literal["wait", "done"]
+"""The next config to run; ``wait`` while a config the walk needs is still running; ``done``."""
+
+
+@dataclass(frozen=True)
+class Result:
+    outcome: str
+    value: float | None
+    """The objective (a pruned trial's partial estimate); ``None`` when nothing was measured."""
+
+    @property
+    def measured(self) -> bool:
+        return self.outcome in ("ok", "pruned") and self.value is not None
+
+
+class MemoryFrontier:
+    """The walk over one space (see the module's docstring)."""
+
+    def __init__(self, space: SearchSpace, grid: Iterable[Config]) -> None:
+        self.grid = list(grid)
+        self.frozen = {name: True for name in FREEZE_KNOBS if True in space.choices(name)}
+        self.batch_sizes = sorted(space.choices("micro_batch_size"), reverse=True)
+
+    def levels(self, anchor: Config, micro_batch_size: int) -> list[list[Config]]:
+        """The anchor's layout at ``micro_batch_size`` with its parts frozen, grouped by how much
+        memory the recompute saves, most first."""
+        family = [
+            config for config in self.grid
+            if config.micro_batch_size == micro_batch_size
+            and all(config[name] == anchor[name] for name in KNOBS if name not in MEMORY_KNOBS)
+            and all(config[name] == value for name, value in self.frozen.items())
+        ]
+        family.sort(key=recompute_saving, reverse=True)  # stable: the space's order within a level
+        return [list(level) for _, level in groupby(family, key=recompute_saving)]
+
+    def next(self, anchor: Config | None, results: Mapping[Config, Result], running: set[Config]) -> Step:
+        if anchor is None:
+            return "wait"
+        for micro_batch_size in self.batch_sizes:
+            if micro_batch_size < anchor.micro_batch_size:
+                break
+            levels = self.levels(anchor, micro_batch_size)
+            own = [index for index, level in enumerate(levels) if anchor in level]
+            fitted = own[0] if own else self._fit(levels, results, running)
+            if isinstance(fitted, int):
+                step = self._relax(levels[fitted:], results, running)
+                if step != "done":
+                    return step
+                best = max((c for level in levels for c in level if c in results and results[c].measured),
+                           key=lambda c: results[c].value)
+                return self._reshard(best, results, running)
+            if fitted is not None:
+                return fitted
+        return "done"
+
+    @staticmethod
+    def _fit(levels: list[list[Config]], results: Mapping[Config, Result], running: set[Config]) -> int | Step | None:
+        """The level of the most saving config that runs, the step to find it, or ``None`` when
+        it ran out of memory or nothing at this micro-batch can run."""
+        for index, config in ((i, c) for i, level in enumerate(levels) for c in level):
+            if config in running:
+                return "wait"
+            if config not in results:
+                return config
+            if results[config].measured:
+                return index
+            if results[config].outcome in OUT_OF_MEMORY:
+                return None
+        return None
+
+    @staticmethod
+    def _relax(levels: list[list[Config]], results: Mapping[Config, Result], running: set[Config]) -> Step:
+        """Walk down the recompute levels below the fitted one while each beats the one above."""
+        best = max(results[c].value for c in levels[0] if c in results and results[c].measured)
+        for level in levels[1:]:
+            untried = [config for config in level if config not in results and config not in running]
+            if untried:
+                return untried[0]
+            if any(config in running for config in level):
+                return "wait"
+            measured = [results[c].value for c in level if results[c].measured]
+            if not measured or max(measured) <= best:
+                return "done"
+            best = max(measured)
+        return "done"
+
+    def _reshard(self, best: Config, results: Mapping[Config, Result], running: set[Config]) -> Step:
+        """``best`` under each other data-parallel sharding of the space."""
+        variants = [config for config in self.grid if config != best
+                    and all(config[name] == best[name] for name in KNOBS if name not in SHARDING_KNOBS)]
+        if untried := [config for config in variants if config not in results and config not in running]:
+            return untried[0]
+        return "wait" if any(config in running for config in variants) else "done"

@@ -1,0 +1,121 @@
+"""The memory-frontier walk: largest micro-batch that fits with the most memory saved, then the
+recompute it no longer needs, level by level while relaxing pays; and its place in the proposer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from autotune.knobs import complete_config
+from autotune.search.frontier import MemoryFrontier, Result
+from autotune.search.proposer import Proposer
+from autotune.space import load_space, target_context
+
+H200 = load_space(Path("search_spaces/h200_single.yaml"))
+BRING_UP = H200.warm_starts[0].config  # MBS 1, full recompute, no graphs, vision trainable
+
+
+def at(micro_batch_size: int, recompute: str, *modules: str, graphs: str = "none", frozen: bool = True):
+    return complete_config({
+        "micro_batch_size": micro_batch_size, "recompute_granularity": recompute,
+        "recompute_modules": list(modules) if recompute == "selective" else None,
+        "cuda_graph_impl": graphs, "freeze_vision_model": frozen,
+    }, defaults=H200.fixed)
+
+
+def test_the_walk_finds_the_largest_micro_batch_that_fits_then_relaxes_recompute_while_it_pays() -> None:
+    frontier = MemoryFrontier(H200, H200.configs())
+    results: dict = {}
+    assert frontier.next(None, results, set()) == "wait"  # nothing measured to walk from
+    assert frontier.next(BRING_UP, results, set()) == at(8, "full")  # most memory saved, vision frozen
+    results[at(8, "full")] = Result("oom", None)
+    assert frontier.next(BRING_UP, results, set()) == at(4, "full")  # out of memory: a smaller micro-batch
+    assert frontier.next(BRING_UP, results, {at(4, "full")}) == "wait"
+    results[at(4, "full")] = Result("ok", 100.0)
+    assert frontier.next(BRING_UP, results, set()) == at(4, "selective", "core_attn", "moe")
+    results[at(4, "selective", "core_attn", "moe")] = Result("ok", 120.0)  # relaxing paid: one level more
+    level = {at(4, "selective", "core_attn"), at(4, "selective", "moe")}
+    first = frontier.next(BRING_UP, results, set())
+    assert first in level
+    (second,) = level - {first}
+    assert frontier.next(BRING_UP, results, {first}) == second  # a level's options run side by side
+    results[first], results[second] = Result("ok", 118.0), Result("oom_predicted", None)
+    assert frontier.next(BRING_UP, results, set()) == "done"  # the level did not beat 120: stop relaxing
+    results[first] = Result("ok", 125.0)
+    assert frontier.next(BRING_UP, results, set()) == at(4, "none")
+    results[at(4, "none")] = Result("pruned", 90.0)
+    assert frontier.next(BRING_UP, results, set()) == "done"
+
+
+def test_a_config_that_cannot_run_moves_the_walk_to_the_next_saving_at_the_same_micro_batch() -> None:
+    frontier = MemoryFrontier(H200, H200.configs())
+    graphed = at(1, "selective", "core_attn", graphs="local", frozen=False)
+    results = {at(8, "full", graphs="local"): Result("invalid", None)}  # megatron-core: full needs full-iteration graphs
+    assert frontier.next(graphed, results, set()) == at(8, "selective", "core_attn", "moe", graphs="local")
+    assert H200.warm_starts[0].config not in results
+    every = {at(m, "full", graphs="local"): Result("invalid", None) for m in (1, 2, 4, 8)} | {
+        at(m, "selective", *mods, graphs="local"): Result("oom", None)
+        for m in (1, 2, 4, 8) for mods in (("core_attn", "moe"), ("core_attn",), ("moe",))
+    } | {at(m, "none", graphs="local"): Result("oom", None) for m in (1, 2, 4, 8)}
+    assert frontier.next(graphed, every, set()) == "done"  # nothing fits anywhere: the sampler's turn
+
+
+def memory_gib(config) -> float:
+    saving = {"none": 1.0, "selective": 0.8 - 0.1 * len(config.recompute_modules or ()), "full": 0.45}
+    return 6.0 + 3.0 * config.micro_batch_size * saving[config.recompute_granularity] * (0.85 if config.freeze_vision_model else 1.0)
+
+
+def speed(config) -> float:
+    cost = {"none": 1.0, "selective": 1.1, "full": 1.35}[config.recompute_granularity]
+    return 100.0 * config.micro_batch_size ** 0.7 / cost * (1.05 if config.freeze_vision_model else 1.0)
+
+
+def test_the_proposer_walks_the_frontier_after_the_warm_starts_and_then_samples() -> None:
+    proposer = Proposer(H200, target_context(H200), None, "t", sampler="tpe", seed=0, memory=None)
+    proposer.enqueue_warm_starts()
+    runs = []
+    for _ in range(12):
+        proposal = proposer.propose()
+        runs.append((proposal.source, proposal.config))
+        if memory_gib(proposal.config) > 20.0:
+            proposer.complete(proposal, "oom", None, cost_seconds=1.0)
+        else:
+            proposer.complete(proposal, "ok", speed(proposal.config), cost_seconds=1.0)
+    sources = [source for source, _ in runs]
+    assert sources[:2] == ["warm_start:bring-up", "warm_start:selective-safe-scope"]
+    walk = [config for source, config in runs if source == "frontier"]
+    assert sources[2:2 + len(walk)] == ["frontier"] * len(walk) and "sampler" in sources[2 + len(walk):]
+    # The incumbent after the warm starts is selective-safe-scope (local graphs). Its most saving
+    # config at MBS 8, full recompute, is one megatron-core refuses with local graphs: told to the
+    # study before launch, and the walk takes the next saving at MBS 8, which fits (13.1 GiB).
+    assert proposer.rejected[at(8, "full", graphs="local")][0] == "invalid"
+    assert walk[0] == at(8, "selective", "core_attn", "moe", graphs="local")
+    # Relaxing to a single module needs 20.4 GiB: both options run out of memory, the walk ends,
+    # and "none" (dominated by those OOMs) is never launched.
+    assert set(walk[1:]) == {at(8, "selective", "core_attn", graphs="local"), at(8, "selective", "moe", graphs="local")}
+    assert at(8, "none", graphs="local") not in [config for _, config in runs]
+
+
+CPU_DEMO = load_space(Path("search_spaces/cpu_demo.yaml"))
+
+
+def test_an_incumbent_at_the_largest_micro_batch_relaxes_from_its_own_level_then_tries_the_other_sharding() -> None:
+    frontier = MemoryFrontier(CPU_DEMO, CPU_DEMO.configs())
+
+    def cpu(recompute: str, *modules: str, fsdp: bool):
+        return complete_config({"micro_batch_size": 8, "recompute_granularity": recompute,
+                                "recompute_modules": list(modules) if recompute == "selective" else None,
+                                "use_torch_fsdp2": fsdp, "freeze_vision_model": True}, defaults=CPU_DEMO.fixed)
+
+    incumbent = cpu("selective", "core_attn", fsdp=True)
+    results = {incumbent: Result("ok", 100.0)}
+    # nothing larger to fit and saving more would only cost time: full recompute is not run again
+    assert frontier.next(incumbent, results, set()) == cpu("none", fsdp=True)
+    results[cpu("none", fsdp=True)] = Result("ok", 97.0)
+    assert frontier.next(incumbent, results, set()) == cpu("selective", "core_attn", fsdp=False)  # then DDP
+    results[cpu("selective", "core_attn", fsdp=False)] = Result("ok", 104.0)
+    assert frontier.next(incumbent, results, set()) == "done"
+    # DDP is the new incumbent: below its recompute level lies "none" under DDP, then FSDP is known
+    ddp = cpu("selective", "core_attn", fsdp=False)
+    assert frontier.next(ddp, results, set()) == cpu("none", fsdp=False)
+    results[cpu("none", fsdp=False)] = Result("pruned", 80.0)
+    assert frontier.next(ddp, results, set()) == "done"
