@@ -36,7 +36,7 @@ def promotion_candidates(entries: list[dict[str, Any]], top_k: int, space: str,
         if len(seen) > top_k:
             break
         if entry["estimate"]["ci_high"] < screened[0]["estimate"]["ci_low"] * (1 - margin):
-            break
+            continue
         if config not in promoted:
             chosen.append((config, f"screen:{entry['trial_id']}"))
     return chosen
