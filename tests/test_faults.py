@@ -22,7 +22,7 @@ from rich.console import Console
 
 from autotune.engine.driver import run_campaign
 from autotune.engine.live import LiveView
-from autotune.engine.rundir import TRIALS_FILE, create_run_dir
+from autotune.engine.rundir import TRIALS_FILE, RunDir, create_run_dir
 from autotune.errors import AutotuneError
 from autotune.search_benchmark import replay_campaign
 from autotune.tables import append_row, load_table
@@ -121,12 +121,8 @@ def two_worker_nodes():
         cluster.shutdown()
 
 
-def test_a_trial_whose_node_dies_is_recorded_node_lost_and_runs_once_more_elsewhere(
-        small_table: Path, two_worker_nodes) -> None:
-    from ray.util.state import list_actors
-
-    cluster, nodes = two_worker_nodes
-    campaign = replay_campaign(load_table(small_table), 0, small_table.parent / "runs")
+def campaign_in_a_thread(campaign) -> tuple[RunDir, threading.Thread, list[BaseException | None]]:
+    """Start ``campaign``'s driver in a thread; ``finished`` receives ``None`` or what it raised."""
     run_dir = create_run_dir(campaign)
     finished: list[BaseException | None] = []
 
@@ -140,6 +136,16 @@ def test_a_trial_whose_node_dies_is_recorded_node_lost_and_runs_once_more_elsewh
 
     driver = threading.Thread(target=drive)
     driver.start()
+    return run_dir, driver, finished
+
+
+def test_a_trial_whose_node_dies_is_recorded_node_lost_and_runs_once_more_elsewhere(
+        small_table: Path, two_worker_nodes) -> None:
+    from ray.util.state import list_actors
+
+    cluster, nodes = two_worker_nodes
+    campaign = replay_campaign(load_table(small_table), 0, small_table.parent / "runs")
+    run_dir, driver, finished = campaign_in_a_thread(campaign)
     deadline = time.monotonic() + 120
     trial = None
     while trial is None and time.monotonic() < deadline:
@@ -209,19 +215,7 @@ def test_a_worker_group_that_loses_a_node_under_a_living_trial_is_node_lost_and_
     hardware = campaign.spec.hardware.model_copy(update={"launcher": "ray_train"})  # a rehearsal: workers hold slots
     budget = campaign.spec.budget.model_copy(update={"max_trials": 1})
     campaign = dataclasses.replace(campaign, spec=campaign.spec.model_copy(update={"hardware": hardware, "budget": budget}))
-    run_dir = create_run_dir(campaign)
-    finished: list[BaseException | None] = []
-
-    def drive() -> None:
-        try:
-            with LiveView(Console(file=StringIO()), campaign.space, campaign.spec.objective) as view:
-                run_campaign(campaign, run_dir, view)
-            finished.append(None)
-        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
-            finished.append(exc)
-
-    driver = threading.Thread(target=drive)
-    driver.start()
+    run_dir, driver, finished = campaign_in_a_thread(campaign)
     deadline = time.monotonic() + 180
     trial, workers, running = None, [], small_table.parent / "first-burst"  # the hook's mark: bursts began
     while not (trial and len(workers) == 2 and running.exists()) and time.monotonic() < deadline:
