@@ -51,7 +51,6 @@ def test_a_config_that_cannot_run_moves_the_walk_to_the_next_saving_at_the_same_
     graphed = at(1, "selective", "core_attn", graphs="local", frozen=False)
     results = {at(8, "full", graphs="local"): Result("invalid", None)}  # megatron-core: full needs full-iteration graphs
     assert frontier.next(graphed, results, set()) == at(8, "selective", "core_attn", "moe", graphs="local")
-    assert H200.warm_starts[0].config not in results
     every = {at(m, "full", graphs="local"): Result("invalid", None) for m in (1, 2, 4, 8)} | {
         at(m, "selective", *mods, graphs="local"): Result("oom", None)
         for m in (1, 2, 4, 8) for mods in (("core_attn", "moe"), ("core_attn",), ("moe",))

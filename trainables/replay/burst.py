@@ -58,16 +58,8 @@ def replayed_step_seconds(row: RecordedBurst, steps: int, seed: int, key: str) -
 
 def run_replay_rank(request: BurstRequest, device: object, reporter: Reporter | None = None) -> BurstResult:
     """One rank of a replayed multi-worker burst (a Ray Train worker group holding the recorded
-    trial's slots): every rank serves the same row, and each step ends in a barrier, as a training
-    step ends in collectives, so a rank that dies (its node lost) fails its peers' burst as it would
-    in training instead of going unnoticed."""
-    import torch.distributed as dist
-
-    def in_lockstep(report: StepReport) -> bool:
-        dist.barrier()
-        return reporter is None or reporter(report)
-
-    return run_replay(request, in_lockstep)
+    trial's slots): every rank serves the same row, so they report in lockstep."""
+    return run_replay(request, reporter)
 
 
 def run_replay(request: BurstRequest, reporter: Reporter | None = None) -> BurstResult:
