@@ -201,4 +201,3 @@ class Ledger:
 
     def spend(self) -> dict[str, Any]:
         return spend(self.entries)
-

@@ -20,9 +20,9 @@ trials it had in flight.
 from __future__ import annotations
 
 import json
-from collections import defaultdict
 import os
 import shutil
+from collections import defaultdict
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator

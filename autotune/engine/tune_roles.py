@@ -59,9 +59,12 @@ class Budget:
 
     def trials_left(self) -> int:
         running = [t for t in self.ledger.live.values() if t.stage == "screen" and t.space == self.space]
-        # a trial that lost its node is run again, and counted once
-        launched = [e for e in self.ledger.launched("screen", self.space) if not e["reason"].startswith(NODE_LOST)]
-        return max(0, self.spec.max_trials - len(launched) - len(running))
+        return max(0, self.spec.max_trials - len(self._counted_screens()) - len(running))
+
+    def _counted_screens(self) -> list[dict[str, Any]]:
+        """The space's finished screens, in finishing order, less those that lost their node (a
+        trial that lost its node is run again, and counted once)."""
+        return [e for e in self.ledger.launched("screen", self.space) if not e["reason"].startswith(NODE_LOST)]
 
     def plateaued(self) -> str | None:
         """Why screening of the space has stopped paying (``patience`` screens in a row found
@@ -69,9 +72,7 @@ class Budget:
         if self.spec.patience is None:
             return None
         best, since = float("-inf"), 0
-        for entry in self.ledger.launched("screen", self.space):
-            if entry["reason"].startswith(NODE_LOST):
-                continue
+        for entry in self._counted_screens():
             if entry["outcome"] == "ok" and entry.get("objective") is not None and entry["objective"] > best:
                 best, since = entry["objective"], 0
             else:
