@@ -205,8 +205,7 @@ def test_a_worker_group_that_loses_a_node_under_a_living_trial_is_node_lost_and_
 
     cluster, nodes = one_slot_nodes
     # Every row runs out of memory at its first step: one screening trial (and its retry), no
-    # promotion - a Ray Train worker group reports each step through its controller, about 2 s a
-    # step on this box, and this test is about the screen.
+    # promotion (this test is about the screen).
     table = small_table.parent / "oom_table.jsonl"
     for row in load_table(small_table).rows.values():
         append_row(table, row.model_copy(update={"outcome": "oom", "step_seconds": [], "useful_tokens_per_step": 0,
