@@ -19,6 +19,7 @@ Ranks start one of two ways (the campaign's ``hardware.launcher``):
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -37,6 +38,10 @@ TRIAL_DRIVER_CPU = 0.01
 REPLAY_TRIAL_CPU = 0.01
 """What a replay trial holds: it reads a table; ``TrialJob.max_concurrent`` sets how many run at once."""
 COLLECTIVE_TIMEOUT_S = 300
+RAY_TRAIN_POLL_INTERVAL_S = 0.1
+"""How often a worker group's controller collects its ranks' reports. A rank's report queue holds
+one result, so ``ray.train.report`` blocks until the controller's next poll: at Ray's default
+(2 s, ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``) no step of a burst could take less than 2 s."""
 
 
 @dataclass(frozen=True)
@@ -151,6 +156,7 @@ def _run_on_ray_train(job: TrialJob, request: BurstRequest, params: dict[str, An
     from ray.train.torch import TorchConfig, TorchTrainer
     from ray.tune.integration.ray_train import TuneReportCallback
 
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", str(RAY_TRAIN_POLL_INTERVAL_S))  # to the controller
     trainer = TorchTrainer(
         _worker_loop,
         train_loop_config={"job": job, "request": request},
