@@ -3,10 +3,13 @@ warm starts first, resume from the journal file; the screening stop/prune decisi
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
+import optuna
 import pytest
+from optuna.trial import TrialState
 
 from autotune.knobs import complete_config
 from autotune.search.encoding import config_params, suggest_config
@@ -162,6 +165,24 @@ def test_study_resumes_from_the_journal_file(tmp_path: Path) -> None:
         proposal = second.propose()
         assert proposal.config not in done  # finished configs are answered from the study, not rerun
         second.complete(proposal, "ok", fake_value(proposal.config))
+
+
+def test_the_journal_is_optunas_file_synced_when_a_trial_finishes(tmp_path: Path, monkeypatch) -> None:
+    from optuna.storages.journal import JournalFileBackend
+
+    synced: list[int] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd) or real_fsync(fd))
+    storage_path = str(tmp_path / "study.journal")
+    proposer = Proposer(CPU_DEMO, target_context(CPU_DEMO), journal_storage(storage_path), "demo", sampler="random", seed=5)
+    proposal = proposer.propose()
+    assert synced == []  # the trial, its parameters and attributes: written, not synced
+    proposer.complete(proposal, "ok", fake_value(proposal.config))
+    assert len(synced) == 1
+    dashboard = optuna.load_study(study_name="demo", storage=optuna.storages.JournalStorage(JournalFileBackend(storage_path)))
+    (trial,) = dashboard.get_trials()  # what the dashboard reads: Optuna's own backend on the same file
+    assert trial.state == TrialState.COMPLETE and trial.value == fake_value(proposal.config)
+    assert complete_config(trial.user_attrs["config"]) == proposal.config
 
 
 def test_screening_stops_converged_trials_and_prunes_clearly_worse_ones() -> None:

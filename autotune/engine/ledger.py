@@ -86,7 +86,8 @@ class Ledger:
             trial.peak_memory_bytes = max(trial.peak_memory_bytes, record["peak_memory_bytes"])
             self.run_dir.steps.append(
                 {"trial_id": trial_id, "stage": trial.stage, "space": trial.space, "objective": result["objective"],
-                 "record": record}
+                 "record": record},
+                sync=False,  # synced with the trial's entry
             )
         elif event == "end":
             trial.end = payload
@@ -137,6 +138,7 @@ class Ledger:
             "error": None if trial.end is None else trial.end.get("error"),
             "finished_at": datetime.now(timezone.utc).isoformat(),
         }
+        self.run_dir.steps.sync()
         self.run_dir.trials.append(entry)
         self.entries.append(entry)
         return entry

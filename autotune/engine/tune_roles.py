@@ -264,18 +264,27 @@ class BudgetStopper(_DriverOnly, Stopper):
         return True
 
 
+WATCHDOG_PERIOD_S = 1.0
+"""How often the hang watchdog looks at the running trials (hang timeouts are minutes)."""
+
+
 class HangWatchdog(_DriverOnly, Callback):
     """Kills a running trial that has reported nothing for ``timeout_s`` (a collective stuck on a
     lost peer, a wedged data loader): its actor goes, and with it the ranks it started (they die
     with their parent) or the Ray Train worker group it owns, so its slots come back. The ledger
-    records it ``hung``. Tune calls this after every step of its loop."""
+    records it ``hung``. Tune calls this after every step of its loop, many times a second, with
+    every trial of the stage: it looks at most once every ``WATCHDOG_PERIOD_S``."""
 
     def __init__(self, ledger: Ledger, timeout_s: float) -> None:
         self.ledger, self.timeout_s = ledger, timeout_s
         self.running_since: dict[str, float] = {}
+        self.looked_at = 0.0
 
     def on_step_end(self, iteration: int, trials: list[Trial], **info) -> None:
         now = time.monotonic()
+        if now - self.looked_at < WATCHDOG_PERIOD_S:
+            return
+        self.looked_at = now
         for trial in trials:
             live = self.ledger.live.get(trial.trial_id)
             if trial.status != Trial.RUNNING or live is None or live.hung is not None:

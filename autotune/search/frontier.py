@@ -25,6 +25,7 @@ nothing larger that fits, only what lies below its own recompute level is new.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 from itertools import groupby
 from typing import Iterable, Literal, Mapping
@@ -55,21 +56,24 @@ class MemoryFrontier:
     """The walk over one space (see the module's docstring)."""
 
     def __init__(self, space: SearchSpace, grid: Iterable[Config]) -> None:
-        self.grid = list(grid)
-        self.frozen = {name: True for name in FREEZE_KNOBS if True in space.choices(name)}
         self.batch_sizes = sorted(space.choices("micro_batch_size"), reverse=True)
+        frozen = {name: True for name in FREEZE_KNOBS if True in space.choices(name)}
+        families: dict[tuple, list[Config]] = defaultdict(list)
+        shardings: dict[tuple, list[Config]] = defaultdict(list)
+        for config in grid:
+            shardings[_values(config, SHARDING_KNOBS)].append(config)
+            if all(config[name] == value for name, value in frozen.items()):
+                families[(_values(config, MEMORY_KNOBS), config.micro_batch_size)].append(config)
+        self.shardings = dict(shardings)
+        """The configs by everything but their data-parallel sharding."""
+        self.families = {key: _by_saving(family) for key, family in families.items()}
+        """A layout's configs at one micro-batch with their parts frozen, by recompute saving, most
+        first (computed once: the walk runs before every proposal)."""
 
     def levels(self, anchor: Config, micro_batch_size: int) -> list[list[Config]]:
         """The anchor's layout at ``micro_batch_size`` with its parts frozen, grouped by how much
         memory the recompute saves, most first."""
-        family = [
-            config for config in self.grid
-            if config.micro_batch_size == micro_batch_size
-            and all(config[name] == anchor[name] for name in KNOBS if name not in MEMORY_KNOBS)
-            and all(config[name] == value for name, value in self.frozen.items())
-        ]
-        family.sort(key=recompute_saving, reverse=True)  # stable: the space's order within a level
-        return [list(level) for _, level in groupby(family, key=recompute_saving)]
+        return self.families.get((_values(anchor, MEMORY_KNOBS), micro_batch_size), [])
 
     def next(self, anchor: Config | None, results: Mapping[Config, Result], running: set[Config]) -> Step:
         if anchor is None:
@@ -124,8 +128,17 @@ class MemoryFrontier:
 
     def _reshard(self, best: Config, results: Mapping[Config, Result], running: set[Config]) -> Step:
         """``best`` under each other data-parallel sharding of the space."""
-        variants = [config for config in self.grid if config != best
-                    and all(config[name] == best[name] for name in KNOBS if name not in SHARDING_KNOBS)]
+        variants = [config for config in self.shardings[_values(best, SHARDING_KNOBS)] if config != best]
         if untried := [config for config in variants if config not in results and config not in running]:
             return untried[0]
         return "wait" if any(config in running for config in variants) else "done"
+
+
+def _values(config: Config, leaving_out: frozenset[str]) -> tuple:
+    """The config's values of every knob but those ``leaving_out``."""
+    return tuple(config[name] for name in KNOBS if name not in leaving_out)
+
+
+def _by_saving(configs: list[Config]) -> list[list[Config]]:
+    ordered = sorted(configs, key=recompute_saving, reverse=True)  # stable: the space's order within a level
+    return [list(level) for _, level in groupby(ordered, key=recompute_saving)]

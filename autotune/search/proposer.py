@@ -22,6 +22,7 @@ import logging
 import random
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
@@ -33,6 +34,7 @@ from autotune.memory_model import MemoryModel
 from autotune.rules import RuleContext, violations
 from autotune.search.encoding import config_params, suggest_config
 from autotune.search.frontier import MemoryFrontier, Result
+from autotune.search.journal import CampaignJournal
 from autotune.search.memory import needs_at_least_as_much_memory
 from autotune.space import SearchSpace
 
@@ -60,9 +62,8 @@ def make_sampler(name: SamplerName, seed: int, startup_trials: int) -> optuna.sa
 
 
 def journal_storage(path: str) -> optuna.storages.JournalStorage:
-    from optuna.storages.journal import JournalFileBackend
-
-    return optuna.storages.JournalStorage(JournalFileBackend(path))
+    """The study's journal file (``optuna-dashboard`` opens it), written by this process alone."""
+    return optuna.storages.JournalStorage(CampaignJournal(Path(path)))
 
 
 @dataclass(frozen=True)
