@@ -13,12 +13,11 @@ is at most the target (2 % by default), which is when a screening burst can stop
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 from dataclasses import dataclass
 from typing import Sequence
-
-from scipy.stats import t as student_t
 
 MIN_WINDOW = 5
 """Fewest steady steps an estimate is made from."""
@@ -100,7 +99,7 @@ def steady_state(
     mean = sum(kept) / len(kept)
     median = statistics.median(kept)
     sd = statistics.stdev(kept) if len(kept) > 1 else 0.0
-    half_width = float(student_t.ppf(0.5 + confidence / 2, len(kept) - 1)) * sd / math.sqrt(len(kept))
+    half_width = _student_t_quantile(0.5 + confidence / 2, len(kept) - 1) * sd / math.sqrt(len(kept))
     relative = half_width / abs(mean) if mean else math.inf
     return SteadyEstimate(
         warmup_steps=start,
@@ -114,3 +113,12 @@ def steady_state(
         relative_half_width=relative,
         converged=bool(len(kept) >= min_window and relative <= target_relative_half_width),
     )
+
+
+@functools.lru_cache(maxsize=None)
+def _student_t_quantile(probability: float, degrees_of_freedom: int) -> float:
+    """scipy.stats is imported on first use: it takes most of a second, and every command and
+    trial process imports this module."""
+    from scipy.stats import t
+
+    return float(t.ppf(probability, degrees_of_freedom))

@@ -1,12 +1,14 @@
 """Start a burst's ranks on this machine: in-process for one rank of a trainable that allows it,
 processes over gloo (CPU) or NCCL (one GPU each) otherwise. Rank processes fork from a forkserver
 that has already imported torch and the native trainable, so a burst does not pay their import
-(seconds per rank) each time. A Ray Train worker group starts ranks instead and calls the same
-rank runner (:func:`trainables.rank_runner`)."""
+(seconds per rank) each time; the launching process itself (a trial's) does not import torch
+at all unless it runs the rank in-process. A Ray Train worker group starts ranks instead and calls
+the same rank runner (:func:`trainables.rank_runner`)."""
 
 from __future__ import annotations
 
 import ctypes
+import multiprocessing as mp
 import os
 import pickle
 import queue
@@ -18,12 +20,12 @@ import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
-
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from typing import TYPE_CHECKING
 
 from autotune.contract import BurstRequest, BurstResult, Reporter, StepReport
+
+if TYPE_CHECKING:
+    import torch
 
 RANK_TIMEOUT = timedelta(minutes=5)
 STRAGGLER_GRACE_SECONDS = 10.0
@@ -38,6 +40,8 @@ def _free_port() -> int:
 
 
 def device_for(rank: int) -> torch.device:
+    import torch
+
     if torch.cuda.is_available():
         return torch.device("cuda", rank % torch.cuda.device_count())
     return torch.device("cpu")
@@ -78,6 +82,9 @@ def _rank_main(
     _die_with_parent()
     if os.getppid() == 1:  # orphaned before the signal was armed
         return
+    import torch
+    import torch.distributed as dist
+
     try:
         torch.set_num_threads(cpu_threads_per_rank(world_size))
         device = device_for(rank)
@@ -109,6 +116,8 @@ def run_local(request: BurstRequest, reporter: Reporter | None = None, trainable
 
     if (request.world_size == 1 and request.cpu_memory_cap_bytes is None
             and not trainable_support(trainable).fresh_process):
+        import torch
+
         torch.set_num_threads(cpu_threads_per_rank(1))
         return rank_runner(trainable)(request, device_for(0), reporter)
     # More ranks, a CPU memory cap (it bounds the address space a process *adds*, and the

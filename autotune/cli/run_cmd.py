@@ -1,8 +1,11 @@
-"""``autotune run`` and ``autotune resume``: a campaign on a Ray cluster, its verdict and winner."""
+"""``autotune run`` and ``autotune resume``: a campaign on a Ray cluster, its verdict and winner.
+
+The engine (Ray Tune) is imported by these two commands only: every other command starts without it."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.markup import escape
@@ -10,8 +13,6 @@ from rich.table import Table
 
 from autotune.campaign import Campaign, builtin_campaign_path, load_campaign
 from autotune.cli import console
-from autotune.engine.driver import CampaignOutcome, connect, resume_campaign, run_campaign
-from autotune.engine.live import LiveView
 from autotune.engine.rundir import REPORT_FILE, WINNER_FILE, create_run_dir, open_run_dir
 from autotune.errors import InputFileError
 from autotune.export import render
@@ -19,6 +20,9 @@ from autotune.knobs import complete_config
 from autotune.report.analysis import load_report
 from autotune.report.page import render_html
 from autotune.survey import survey_space
+
+if TYPE_CHECKING:
+    from autotune.engine.driver import CampaignOutcome
 
 ADDRESS_HELP = "Ray cluster address (default: RAY_ADDRESS, the job's cluster, or a new local one)."
 
@@ -29,6 +33,9 @@ def run(
     output_dir: Path | None = typer.Option(None, "--output-dir", "-o", help="Override the campaign's output_dir."),
 ) -> None:
     """Run a campaign: screen configs as Ray Tune trials, promote the best, export the winner."""
+    from autotune.engine.driver import connect, run_campaign
+    from autotune.engine.live import LiveView
+
     path = campaign if campaign is not None else builtin_campaign_path("cpu_demo")
     loaded = load_campaign(path)
     if not survey_space(loaded.space, loaded.rule_context).accepted:
@@ -46,6 +53,9 @@ def resume(
     address: str | None = typer.Option(None, "--address", help=ADDRESS_HELP),
 ) -> None:
     """Continue an interrupted campaign: finished trials are kept, the study goes on."""
+    from autotune.engine.driver import connect, resume_campaign
+    from autotune.engine.live import LiveView
+
     opened = open_run_dir(run_dir)
     loaded = opened.load_campaign()
     console.print(f"resuming [bold]{escape(loaded.spec.name)}[/] in [bold]{escape(str(run_dir))}[/]")
