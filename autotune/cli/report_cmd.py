@@ -16,7 +16,6 @@ from autotune.engine.rundir import REPORT_FILE
 from autotune.knobs import complete_config
 from autotune.report.analysis import RunReport, load_report
 from autotune.report.compare import compare
-from autotune.report.page import render_html
 
 
 def report(
@@ -24,6 +23,8 @@ def report(
     out: Path | None = typer.Option(None, help=f"Where to write the HTML (default: RUN_DIR/{REPORT_FILE})."),
 ) -> None:
     """Write the campaign's HTML report and print its summary."""
+    from autotune.report.page import render_html  # plotly: imported by the commands that draw only
+
     loaded = load_report(run_dir)
     target = out or run_dir / REPORT_FILE
     target.write_text(render_html(loaded), encoding="utf-8")

@@ -1,6 +1,7 @@
 """``autotune run`` and ``autotune resume``: a campaign on a Ray cluster, its verdict and winner.
 
-The engine (Ray Tune) is imported by these two commands only: every other command starts without it."""
+The engine (Ray Tune) is imported by these two commands only, and plotly once they draw the report:
+every other command starts without them."""
 
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ from autotune.errors import InputFileError
 from autotune.export import render
 from autotune.knobs import complete_config
 from autotune.report.analysis import load_report
-from autotune.report.page import render_html
 from autotune.survey import survey_space
 
 if TYPE_CHECKING:
@@ -66,6 +66,8 @@ def resume(
 
 
 def _report(campaign: Campaign, outcome: CampaignOutcome) -> None:
+    from autotune.report.page import render_html  # plotly: imported by the commands that draw only
+
     spaces = {space.name: space for space in campaign.spaces}
 
     def knobs(entry: dict) -> str:
