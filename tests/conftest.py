@@ -106,7 +106,7 @@ NEXT_SPACE = SPACE | {
 and its one config is the first space's fastest. Screening would prune it if noise put it clearly
 below that best (the same config has screened 15 % apart within one campaign on this 2-core box),
 so the campaign that runs both spaces prunes only beyond 40 %, which also keeps the "fast-ep2"
-warm start (about 0.76x the fastest) among the configs promoted."""
+warm start (about 0.8x the fastest) among the configs promoted."""
 
 
 def campaign_file(folder: Path, *, max_trials: int, top_k: int = 1, space: dict = SPACE, then_space: dict | None = None,
@@ -120,9 +120,9 @@ def campaign_file(folder: Path, *, max_trials: int, top_k: int = 1, space: dict 
         "hardware": {"accelerator": "cpu", "gpus_per_node": 2, "gpus_per_trial": 2, "data_workers": 0, **hardware},
         "budget": {"max_trials": max_trials},
         # Prune only what is clearly worse (by default 15 % below the best's lower bound). On this
-        # model the configs the tests name run far apart (useful tokens/s, 2 gloo ranks, this box):
-        # MBS 4 no recompute EP 1 about 3,900, the "fast-ep2" warm start (EP 2) about 3,000, MBS 4
-        # full recompute EP 2 about 2,000, the "bring-up" warm start (MBS 1, full) about 600.
+        # model the configs the tests name run far apart (2 gloo ranks, this box): against MBS 4, no
+        # recompute, EP 1, the "fast-ep2" warm start (EP 2) runs at about 0.8x, MBS 4 with full
+        # recompute at EP 2 about 0.5x, the "bring-up" warm start (MBS 1, full, EP 2) about 0.2x.
         "stages": {"warmup_steps": 1, "screen_steps": 16, "promote_top_k": top_k, "promote_steps": 50,
                    "target_relative_half_width": 0.01, "prune_margin": prune_margin},
         # Seeded random proposals for the first 4 trials (warm starts included): the same configs every run.
