@@ -55,6 +55,30 @@ class OutputUnwritable(AutotuneError):
         super().__init__(f"cannot write {path}: {cause.strerror or cause}")
 
 
+def append_bytes(path: Path, data: bytes, *, sync: bool) -> None:
+    """Append ``data`` to ``path``: in the operating system's hands when this returns, and on disk
+    too with ``sync``. A write the disk refuses (full, read-only, quota) leaves the file as it was,
+    so a resumed campaign appends after the last whole line. Unbuffered, so no half-written line
+    can be flushed after the roll-back."""
+    rest = memoryview(data)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        before = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            while rest:
+                rest = rest[os.write(fd, rest):]
+            if sync:
+                os.fsync(fd)
+        except OSError as exc:
+            try:
+                os.ftruncate(fd, before)
+            except OSError:
+                pass  # the original failure is the one to report
+            raise OutputUnwritable(path, exc) from exc
+    finally:
+        os.close(fd)
+
+
 class JsonLines:
     """An append-only JSON Lines file."""
 
@@ -62,27 +86,8 @@ class JsonLines:
         self.path = path
 
     def append(self, entry: dict[str, Any], *, sync: bool = True) -> None:
-        """Append one line: in the operating system's hands when this returns, and on disk too
-        with ``sync``. A write the disk refuses (full, read-only, quota) leaves the file as it was,
-        so a resumed campaign appends after the last whole line. Unbuffered, so no half-written
-        line can be flushed after the roll-back."""
-        data = memoryview((json.dumps(entry, default=str, allow_nan=False) + "\n").encode("utf-8"))
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            before = os.lseek(fd, 0, os.SEEK_END)
-            try:
-                while data:
-                    data = data[os.write(fd, data):]
-                if sync:
-                    os.fsync(fd)
-            except OSError as exc:
-                try:
-                    os.ftruncate(fd, before)
-                except OSError:
-                    pass  # the original failure is the one to report
-                raise OutputUnwritable(self.path, exc) from exc
-        finally:
-            os.close(fd)
+        """Append one line (see :func:`append_bytes`)."""
+        append_bytes(self.path, (json.dumps(entry, default=str, allow_nan=False) + "\n").encode("utf-8"), sync=sync)
 
     def sync(self) -> None:
         """Put every line appended so far on disk."""

@@ -9,20 +9,22 @@ proposer's time, and on a cluster's shared file system an fsync costs millisecon
 
 So this backend keeps the same file, in the same format (Optuna's backend and the dashboard read
 it), but reads it once, keeps the logs it appends in memory, and syncs the file to disk when a log
-finishes a trial. Each write still reaches the operating system before it returns, so a driver
-killed with SIGKILL loses nothing it wrote; a machine that loses power loses at most what unfinished
+finishes a trial. Each write still reaches the operating system before it returns (written as the
+run directory's lines are, rolled back whole if the disk refuses it), so a driver killed with
+SIGKILL loses nothing it wrote; a machine that loses power loses at most what unfinished
 trials wrote since the last finished one, and those trials are lost with the machine anyway.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 from optuna.storages.journal import BaseJournalBackend, JournalFileBackend, JournalFileSymlinkLock
 from optuna.trial import TrialState
+
+from autotune.engine.rundir import append_bytes
 
 
 class CampaignJournal(BaseJournalBackend):
@@ -35,18 +37,11 @@ class CampaignJournal(BaseJournalBackend):
         return self.logs[log_number_from:]
 
     def append_logs(self, logs: list[dict[str, Any]]) -> None:
-        data = memoryview("".join(json.dumps(log, separators=(",", ":")) + "\n" for log in logs).encode("utf-8"))
+        data = "".join(json.dumps(log, separators=(",", ":")) + "\n" for log in logs).encode("utf-8")
         finishes = any("state" in log and TrialState(log["state"]).is_finished() for log in logs)
         self.lock.acquire()  # waits for the dashboard's writes, if any
         try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            try:
-                while data:
-                    data = data[os.write(fd, data):]
-                if finishes:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
+            append_bytes(self.path, data, sync=finishes)
         finally:
             self.lock.release()
         self.logs.extend(logs)
