@@ -24,12 +24,13 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from autotune.campaign import SamplerName
 from autotune.contract import FAILED_OUTCOMES
-from autotune.knobs import Config, complete_config
+from autotune.knobs import Config, Value, complete_config
 from autotune.memory_model import MemoryModel
 from autotune.rules import RuleContext, violations
 from autotune.search.encoding import config_params, suggest_config
@@ -121,10 +122,22 @@ class Proposer:
         self.rejections: list[Rejection] = []
         """Rejected proposals not yet collected by :meth:`take_rejections`."""
         self.grid = list(space.configs())
+        self._grid_index = {config: index for index, config in enumerate(self.grid)}
+        self._value_codes: dict[str, dict[Value, int]] = {name: {} for name in space.tuned}
+        self._grid_codes = np.array(
+            [[self._value_codes[name].setdefault(config[name], len(self._value_codes[name])) for name in space.tuned]
+             for config in self.grid],
+            dtype=np.int32,
+        ).reshape(len(self.grid), len(space.tuned))
+        """Each grid config's tuned knobs as value codes, a row per config: distances at numpy speed."""
         self._untried_rng = random.Random(seed)
         self._near: Config | None = None
         """The config the sampler last kept repeating: untried configs are queued nearest to it."""
         self.frontier = MemoryFrontier(space, self.grid) if memory_frontier else None
+        self.results: dict[Config, Result] = {}
+        """How each settled config ended, as the frontier walk reads it (a rejection over a run)."""
+        self._incumbent: tuple[float, Config] | None = None
+        """The best measured config and its objective (the first of equals)."""
         for trial in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
             self._remember(trial)
         # Trials left running by a driver that died are lost; their configs may be proposed again.
@@ -207,13 +220,8 @@ class Proposer:
         """Queue the frontier walk's next config, once the queue (warm starts, earlier steps) is empty."""
         if self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
             return
-        results = {config: Result(trial.user_attrs.get("outcome", "ok"), trial.value)
-                   for config, trial in self.finished.items()}
-        results.update((config, Result(outcome, None)) for config, (outcome, _, _) in self.rejected.items())
-        measured = [(trial.value, config) for config, trial in self.finished.items()
-                    if trial.user_attrs.get("outcome") == "ok" and trial.value is not None]
-        incumbent = max(measured, key=lambda item: item[0])[1] if measured else None
-        step = self.frontier.next(incumbent, results, {p.config for p, _ in self.running.values()})
+        incumbent = self._incumbent[1] if self._incumbent is not None else None
+        step = self.frontier.next(incumbent, self.results, {p.config for p, _ in self.running.values()})
         if isinstance(step, Config):
             self.study.enqueue_trial(config_params(step, self.space), user_attrs={"source": "frontier"})
 
@@ -231,13 +239,18 @@ class Proposer:
     def _queue_untried_near(self, anchor: Config) -> None:
         """Queue the untried config with the fewest knobs changed from ``anchor`` (ties drawn with
         the study's seed)."""
-        taken = self._settled_or_running()
-        untried = [other for other in self.grid if other not in taken]
+        taken = {self._grid_index.get(config) for config in self._settled_or_running()}
+        untried = [index for index in range(len(self.grid)) if index not in taken]
         if not untried:
             return
         self._untried_rng.shuffle(untried)
-        nearest = min(untried, key=lambda other: sum(other[name] != anchor[name] for name in self.space.tuned))
+        changed = (self._grid_codes[untried] != self._codes(anchor)).sum(axis=1)
+        nearest = self.grid[untried[int(np.argmin(changed))]]  # the first of the nearest, as drawn
         self.study.enqueue_trial(config_params(nearest, self.space), user_attrs={"source": "near_repeat"})
+
+    def _codes(self, config: Config) -> list[int]:
+        """``config``'s tuned knobs as the grid's value codes (-1: a value no grid config has)."""
+        return [self._value_codes[name].get(config[name], -1) for name in self.space.tuned]
 
     def _rejection(self, config: Config) -> tuple[str, str] | None:
         """Why ``config`` must not reach a device (outcome, reason), or ``None``."""
@@ -275,6 +288,7 @@ class Proposer:
 
     def _infeasible(self, trial: optuna.Trial, config: Config, outcome: str, reason: str) -> None:
         self.rejected[config] = (outcome, reason, trial.number)
+        self.results[config] = Result(outcome, None)
         self.rejections.append(Rejection(trial.number, config, outcome, reason))
         trial.set_user_attr("outcome", outcome)
         trial.set_user_attr("reason", reason)
@@ -286,11 +300,20 @@ class Proposer:
         if "config" not in trial.user_attrs:
             return
         config = complete_config(trial.user_attrs["config"])
-        if trial.user_attrs.get("outcome") in ("invalid", "oom_predicted"):
-            self.rejected.setdefault(config, (trial.user_attrs["outcome"], trial.user_attrs.get("reason", ""), trial.number))
+        outcome = trial.user_attrs.get("outcome", "ok")
+        if outcome in ("invalid", "oom_predicted"):
+            if config not in self.rejected:
+                self.rejected[config] = (outcome, trial.user_attrs.get("reason", ""), trial.number)
+                self.results[config] = Result(outcome, None)
             return
-        self.finished.setdefault(config, trial)
-        if trial.user_attrs.get("outcome") == "oom":
+        if config not in self.finished:
+            self.finished[config] = trial
+            if config not in self.rejected:
+                self.results[config] = Result(outcome, trial.value)
+            if trial.user_attrs.get("outcome") == "ok" and trial.value is not None and (
+                    self._incumbent is None or trial.value > self._incumbent[0]):
+                self._incumbent = (trial.value, config)
+        if outcome == "oom":
             self.out_of_memory.append(config)
         elif self.memory is not None and trial.user_attrs.get("peak_memory_bytes"):
             self.memory.observe(config, trial.user_attrs["peak_memory_bytes"])
