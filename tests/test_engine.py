@@ -38,6 +38,9 @@ def test_campaign_writes_every_output(campaign_run) -> None:
     spend = json.loads((run_dir / "spend.json").read_text())
     assert spend["total"] == pytest.approx(sum(e["device_seconds"] for e in records))
     assert "winner" in result.stdout and str(run_dir) in result.stdout
+    # steps.jsonl is the record: Tune's loggers write no copies (TensorBoard's fsync each result)
+    assert not [p.name for p in (run_dir / "ray").rglob("*") if p.name.startswith(("events.out", "progress.csv", "result.json"))]
+    assert "Failed to fetch metrics" not in result.stdout + result.stderr
 
 
 def test_ep2_trial_runs_on_two_gloo_ranks_with_evidence(campaign_run) -> None:

@@ -14,7 +14,7 @@ from optuna.trial import TrialState
 from autotune.knobs import complete_config
 from autotune.search.encoding import config_params, suggest_config
 from autotune.search.memory import needs_at_least_as_much_memory
-from autotune.search.proposer import REPEATS_BEFORE_UNTRIED, Proposer, journal_storage
+from autotune.search.proposer import Proposer
 from autotune.search.screening import screen
 from autotune.space import load_space, target_context
 from autotune.steady import steady_state
@@ -97,7 +97,7 @@ def test_repeats_are_not_results_and_a_converged_sampler_steps_to_the_nearest_un
         config, anchor = complete_config(trial.user_attrs["config"]), complete_config(repeated.user_attrs["config"])
         assert config != anchor and sum(config[k] != anchor[k] for k in CPU_DEMO.tuned) >= 1
     rejected = [t for t in trials if t.user_attrs.get("outcome") in ("invalid", "oom_predicted")]
-    assert len(trials) <= len(launched) * (REPEATS_BEFORE_UNTRIED + 1) + len(rejected)  # asks stay bounded
+    assert len(trials) <= 2 * len(launched) + len(rejected)  # a repeat, then an untried config: asks stay bounded
 
 
 def test_warm_starts_come_first() -> None:
@@ -151,15 +151,15 @@ def test_memory_dominance() -> None:
 
 
 def test_study_resumes_from_the_journal_file(tmp_path: Path) -> None:
-    storage_path = str(tmp_path / "study.journal")
+    journal = tmp_path / "study.journal"
     context = target_context(CPU_DEMO)
-    first = Proposer(CPU_DEMO, context, journal_storage(storage_path), "demo", sampler="random", seed=5)
+    first = Proposer(CPU_DEMO, context, journal, "demo", sampler="random", seed=5)
     done = []
     for _ in range(4):
         proposal = first.propose()
         first.complete(proposal, "ok", fake_value(proposal.config))
         done.append(proposal.config)
-    second = Proposer(CPU_DEMO, context, journal_storage(storage_path), "demo", sampler="random", seed=6)
+    second = Proposer(CPU_DEMO, context, journal, "demo", sampler="random", seed=6)
     assert set(done) <= set(second.finished)
     for _ in range(10):
         proposal = second.propose()
@@ -167,22 +167,38 @@ def test_study_resumes_from_the_journal_file(tmp_path: Path) -> None:
         second.complete(proposal, "ok", fake_value(proposal.config))
 
 
-def test_the_journal_is_optunas_file_synced_when_a_trial_finishes(tmp_path: Path, monkeypatch) -> None:
+def test_the_journal_is_optunas_file_written_once_a_call_and_synced_when_a_trial_completes(
+        tmp_path: Path, monkeypatch) -> None:
     from optuna.storages.journal import JournalFileBackend
+
+    from autotune.search import journal as journal_module
 
     synced: list[int] = []
     real_fsync = os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd) or real_fsync(fd))
-    storage_path = str(tmp_path / "study.journal")
-    proposer = Proposer(CPU_DEMO, target_context(CPU_DEMO), journal_storage(storage_path), "demo", sampler="random", seed=5)
+    writes: list[tuple[int, bool]] = []
+    real_append = journal_module.append_bytes
+
+    def counted_append(path: Path, data: bytes, *, sync: bool) -> None:
+        writes.append((data.count(b"\n"), sync))
+        real_append(path, data, sync=sync)
+
+    monkeypatch.setattr(journal_module, "append_bytes", counted_append)
+    journal = tmp_path / "study.journal"
+    proposer = Proposer(CPU_DEMO, target_context(CPU_DEMO), journal, "demo", sampler="random", seed=5)
+    writes.clear()  # the study's creation
     proposal = proposer.propose()
-    assert synced == []  # the trial, its parameters and attributes: written, not synced
+    (logs, sync), = writes  # the trial, its parameters and attributes: one write, not synced
+    assert logs > 5 and not sync and synced == []
     proposer.complete(proposal, "ok", fake_value(proposal.config))
-    assert len(synced) == 1
-    dashboard = optuna.load_study(study_name="demo", storage=optuna.storages.JournalStorage(JournalFileBackend(storage_path)))
-    (trial,) = dashboard.get_trials()  # what the dashboard reads: Optuna's own backend on the same file
+    assert len(writes) == 2 and writes[1][1] and len(synced) == 1
+    proposer.study.tell(proposer.study.ask(), state=TrialState.FAIL)  # as a repeated proposal is told
+    assert len(synced) == 1  # no result to keep
+    dashboard = optuna.load_study(study_name="demo", storage=optuna.storages.JournalStorage(JournalFileBackend(str(journal))))
+    trial, failed = dashboard.get_trials()  # what the dashboard reads: Optuna's own backend on the same file
     assert trial.state == TrialState.COMPLETE and trial.value == fake_value(proposal.config)
     assert complete_config(trial.user_attrs["config"]) == proposal.config
+    assert failed.state == TrialState.FAIL
 
 
 def test_screening_stops_converged_trials_and_prunes_clearly_worse_ones() -> None:

@@ -10,6 +10,7 @@ screening early, never promotion of what screening found.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +34,7 @@ from autotune.errors import AutotuneError
 from autotune.export import document
 from autotune.knobs import complete_config
 from autotune.memory_model import MemoryModel
-from autotune.search.proposer import Proposer, journal_storage
+from autotune.search.proposer import Proposer
 from autotune.space import SearchSpace
 from autotune.tables import load_table
 from trainables import REPLAY
@@ -135,7 +136,7 @@ def _tune_space(campaign: Campaign, space: SearchSpace, study_name: str, run_dir
 
     spec = campaign.spec
     proposer = Proposer(
-        space, campaign.rule_context, journal_storage(str(run_dir.study_path)), study_name,
+        space, campaign.rule_context, run_dir.study_path, study_name,
         sampler=spec.search.sampler, seed=spec.search.seed, startup_trials=spec.search.startup_trials,
         memory=MemoryModel(campaign.model, spec.hardware.gpus_per_trial, memory_limit) if spec.search.memory_model
         else None,
@@ -227,6 +228,12 @@ def _run_stage(stage: Stage, job: TrialJob, run_dir: RunDir, view: LiveView, *,
 
     attempt = sum(1 for p in run_dir.ray_storage.glob(f"{stage}-*")) + 1 if run_dir.ray_storage.exists() else 1
     view.stage(stage)
+    # Tune's default loggers would write every step result a second, third and fourth time under
+    # ray/ (JSON, CSV, and TensorBoard, which fsyncs each: 2,259 fsyncs and 6 s of the driver's loop
+    # in bench/overhead.py); steps.jsonl is the record. fit() still looks for their files to build
+    # a result grid the campaign never reads, and warns of each trial's missing files: not news.
+    os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
+    logging.getLogger("ray.tune.analysis.experiment_analysis").setLevel(logging.ERROR)
     tuner = tune.Tuner(
         tune.with_resources(tune.with_parameters(run_trial, job=job), job.trial_resources()),
         tune_config=tune.TuneConfig(

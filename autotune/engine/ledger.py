@@ -66,7 +66,12 @@ class Ledger:
         self.target = target_relative_half_width
         self.benchmark_only = benchmark_only
         self.live: dict[str, LiveTrial] = {}
-        self.entries: list[dict[str, Any]] = list(run_dir.trials.read())
+        self.entries: list[dict[str, Any]] = []
+        self._finished_device_seconds = 0.0
+        self._best_screen: dict[str, Any] | None = None
+        """Kept as entries are added: the scheduler asks for the best at every step result."""
+        for entry in run_dir.trials.read():
+            self._add(entry)
         self.stopped_by_budget = False
 
     # -- trials as they run ------------------------------------------------------------------------
@@ -140,7 +145,7 @@ class Ledger:
         }
         self.run_dir.steps.sync()
         self.run_dir.trials.append(entry)
-        self.entries.append(entry)
+        self._add(entry)
         return entry
 
     def _outcome(self, trial: LiveTrial, errored: bool) -> tuple[str, str]:
@@ -178,7 +183,15 @@ class Ledger:
             "finished_at": datetime.now(timezone.utc).isoformat(),
         }
         self.run_dir.trials.append(entry)
+        self._add(entry)
+
+    def _add(self, entry: dict[str, Any]) -> None:
         self.entries.append(entry)
+        self._finished_device_seconds += entry["device_seconds"]
+        if (entry["launched"] and entry["stage"] == "screen" and entry["outcome"] == "ok"
+                and entry.get("objective") is not None
+                and (self._best_screen is None or entry["objective"] > self._best_screen["objective"])):
+            self._best_screen = entry
 
     # -- views -------------------------------------------------------------------------------------
     def launched(self, stage: Stage, space: str | None = None) -> list[dict[str, Any]]:
@@ -190,13 +203,13 @@ class Ledger:
         return None if best is None else SteadyEstimate(**best["estimate"])
 
     def best_entry(self) -> dict[str, Any] | None:
-        """The finished screening trial with the best steady objective (an objective comes with its estimate)."""
-        finished = [e for e in self.launched("screen") if e["outcome"] == "ok" and e.get("objective") is not None]
-        return max(finished, key=lambda e: e["objective"]) if finished else None
+        """The finished screening trial with the best steady objective (an objective comes with its
+        estimate; the first of equals)."""
+        return self._best_screen
 
     def device_seconds(self) -> float:
         running = sum(t.charged_seconds() for t in self.live.values()) * self.world_size
-        return sum(e["device_seconds"] for e in self.entries) + running
+        return self._finished_device_seconds + running
 
     def counts(self) -> Counter:
         return Counter(e["outcome"] for e in self.entries if e["stage"] == "screen")

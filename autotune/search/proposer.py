@@ -7,13 +7,14 @@ learns the region to avoid at no cost. OOM, invalid and failed runs are told the
 peak memory seen. A config proposed again (finished, rejected or in flight) is never run twice: the
 repeat is told to the study as failed (``repeat_of``), which TPE leaves out of its model, so repeats
 neither re-weight a config already counted nor make every later proposal slower (TPE's cost grows
-with the trials it models). Repeats in a row mean the sampler has converged on what it knows; the
-untried config nearest the one it keeps proposing (fewest knobs changed) is queued instead, and
-checked like any proposal: the local step TPE does not take in a discrete space. Before the sampler
+with the trials it models). A repeat means the sampler has converged on what it knows: asked again
+with the same model it repeats again (95-97 % of such asks in ``bench/overhead.py``'s campaign), so the
+untried config nearest the one it proposed (fewest knobs changed) is queued instead, and checked
+like any proposal: the local step TPE does not take in a discrete space. Before the sampler
 proposes, the memory frontier of the incumbent is walked (autotune/search/frontier.py): the largest
 micro-batch that fits, then the recompute it no longer needs. The study lives
 in Optuna storage (a journal file in the output directory), so a new :class:`Proposer` on the same
-storage resumes it and ``optuna-dashboard`` can open it.
+file resumes it and ``optuna-dashboard`` can open it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import logging
 import random
 import warnings
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,9 +42,6 @@ from autotune.search.memory import needs_at_least_as_much_memory
 from autotune.space import SearchSpace
 
 log = logging.getLogger(__name__)
-
-REPEATS_BEFORE_UNTRIED = 2
-"""Repeated proposals in a row after which an untried config is queued instead of asking again."""
 
 CONSTRAINT = "feasible"
 """The one constraint every trial sets: 0 when it ran, 1 when it could not (> 0 is infeasible)."""
@@ -92,7 +91,7 @@ class Proposer:
         self,
         space: SearchSpace,
         context: RuleContext,
-        storage: optuna.storages.BaseStorage | str | None,
+        journal: Path | None,
         study_name: str,
         *,
         sampler: SamplerName = "tpe",
@@ -107,9 +106,11 @@ class Proposer:
         self.space, self.context, self.memory = space, context, memory
         self.use_rules, self.use_oom_feedback, self.max_asks = use_rules, use_oom_feedback, max_asks
         optuna.logging.set_verbosity(optuna.logging.WARNING)
+        self.journal = CampaignJournal(journal) if journal is not None else None
+        """The study's journal file (``None``: the study lives in memory, as in tests and benchmarks)."""
         self.study = optuna.create_study(
             study_name=study_name,
-            storage=storage,
+            storage=optuna.storages.JournalStorage(self.journal) if self.journal is not None else None,
             sampler=make_sampler(sampler, seed, startup_trials),
             direction="maximize",
             load_if_exists=True,
@@ -143,6 +144,10 @@ class Proposer:
         # Trials left running by a driver that died are lost; their configs may be proposed again.
         for trial in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             self.study.tell(trial.number, state=TrialState.FAIL)
+
+    def _writes(self) -> AbstractContextManager[None]:
+        """The journal's writes of one call, written together when it returns."""
+        return self.journal.batch() if self.journal is not None else nullcontext()
 
     # -- proposing ---------------------------------------------------------------------------------
     def enqueue_warm_starts(self) -> None:
@@ -187,7 +192,10 @@ class Proposer:
     def propose(self) -> Proposal | None:
         """The next config to run, or ``None`` when every config of the space is settled or in
         flight, or the sampler keeps proposing nothing runnable."""
-        repeats = 0
+        with self._writes():
+            return self._next_proposal()
+
+    def _next_proposal(self) -> Proposal | None:
         for _ in range(self.max_asks):
             if len(self._settled_or_running()) >= len(self.grid):
                 return None
@@ -198,11 +206,8 @@ class Proposer:
             if (earlier := self._earlier_number(config)) is not None:
                 trial.set_user_attr("repeat_of", earlier)
                 self.study.tell(trial, state=TrialState.FAIL)  # not a new result
-                repeats += 1
-                if repeats >= REPEATS_BEFORE_UNTRIED:
-                    self._near = config
-                    self._queue_untried_near(config)
-                    repeats = 0
+                self._near = config
+                self._queue_untried_near(config)
                 continue
             trial.set_user_attr("config", config.to_plain())
             source = trial.user_attrs.get("source", "sampler")
@@ -277,13 +282,14 @@ class Proposer:
         partial estimate); infeasible outcomes are told with value 0 and a violated constraint."""
         _, trial = self.running.pop(proposal.number)
         infeasible = outcome in FAILED_OUTCOMES
-        trial.set_user_attr("outcome", outcome)
-        trial.set_user_attr("cost_seconds", cost_seconds)
-        trial.set_user_attr("peak_memory_bytes", peak_memory_bytes)
-        trial.set_constraint(CONSTRAINT, 1.0 if infeasible else 0.0)
-        if error:
-            trial.set_user_attr("error", error[-2000:])
-        frozen = self.study.tell(trial, 0.0 if infeasible or value is None else value)
+        with self._writes():
+            trial.set_user_attr("outcome", outcome)
+            trial.set_user_attr("cost_seconds", cost_seconds)
+            trial.set_user_attr("peak_memory_bytes", peak_memory_bytes)
+            trial.set_constraint(CONSTRAINT, 1.0 if infeasible else 0.0)
+            if error:
+                trial.set_user_attr("error", error[-2000:])
+            frozen = self.study.tell(trial, 0.0 if infeasible or value is None else value)
         self._remember(frozen)
 
     def _infeasible(self, trial: optuna.Trial, config: Config, outcome: str, reason: str) -> None:
