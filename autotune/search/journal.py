@@ -8,14 +8,14 @@ reads it, and takes the same lock for the notes it writes), and a trial makes a 
 proposer's time, and on a cluster's shared file system an fsync costs milliseconds.
 
 So this backend keeps the same file, in the same format (Optuna's backend and the dashboard read
-it), but reads it once, keeps the logs it appends in memory, and syncs the file to disk when a log
-completes a trial (a failed one is no result: a repeated proposal, or a trial a dead driver left
-running). Each write still reaches the operating system before it returns (written as the
-run directory's lines are, rolled back whole if the disk refuses it), so a driver killed with
-SIGKILL loses nothing it wrote; a machine that loses power loses at most what unfinished
-trials wrote since the last finished one, and those trials are lost with the machine anyway.
-Inside :meth:`CampaignJournal.batch`, the logs go to the file together when the block ends: one
-lock and one write for the dozen logs a proposal or a completion makes.
+it), but reads it once, keeps the logs it appends in memory, writes the dozen logs of a proposal or
+a completion together (:meth:`CampaignJournal.batch`: one lock, one write), and syncs the file to
+disk when a log completes a trial (a failed one is no result: a repeated proposal, or a trial a
+dead driver left running). Each write reaches the operating system before the call that made it
+returns (written as the run directory's lines are, rolled back whole if the disk refuses it), so a
+driver killed with SIGKILL loses at most the proposal or completion it was making; a machine that
+loses power loses at most what was written since the last completed trial: trials in flight, lost
+with the machine anyway, and repeats, which are no result.
 """
 
 from __future__ import annotations
