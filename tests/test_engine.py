@@ -256,3 +256,25 @@ def test_patience_ends_screening_after_that_many_screens_in_a_row_find_nothing_f
     lost = entry("f", "screen", None, outcome="failed", micro_batch_size=2) | {"reason": "node_lost: node died"}
     records.extend([lost, lost, lost])  # the cluster failed, not the search: not counted
     assert budget.plateaued() is None
+
+
+def test_the_ledger_keeps_the_best_screen_and_the_spend_as_entries_arrive(tmp_path) -> None:
+    """The scheduler asks for the best screen at every step and the stopper for the spend on every
+    loop: both are kept as entries arrive, read back on resume and added to by later entries."""
+    from autotune.engine.ledger import Ledger
+    from autotune.engine.rundir import RunDir
+    from autotune.search.proposer import Rejection
+
+    run_dir = RunDir(tmp_path)
+    records = [entry("a", "screen", 10.0), entry("b", "screen", 30.0, micro_batch_size=2),
+               entry("c", "promote", 50.0, micro_batch_size=2), entry("d", "screen", 40.0, outcome="pruned"),
+               entry("e", "screen", 30.0, micro_batch_size=4), entry("f", "screen", None, outcome="oom")]
+    for seconds, record in enumerate(records, start=1):
+        run_dir.trials.append(record | {"device_seconds": float(seconds)})
+    ledger = Ledger(run_dir, world_size=2, warmup_steps=1, target_relative_half_width=0.02, benchmark_only=False)
+    assert ledger.best_entry()["trial_id"] == "b"  # screens that ran only; the first of equals
+    assert ledger.device_seconds() == 21.0
+    ledger.reject(Rejection(7, complete_config({"micro_batch_size": 8}), "invalid", "a rule"), "s")
+    assert ledger.device_seconds() == 21.0 and len(ledger.entries) == 7
+    assert Ledger(run_dir, world_size=2, warmup_steps=1, target_relative_half_width=0.02,
+                  benchmark_only=False).best_entry() == ledger.best_entry()
