@@ -9,12 +9,12 @@ repeat is told to the study as failed (``repeat_of``), which TPE leaves out of i
 neither re-weight a config already counted nor make every later proposal slower (TPE's cost grows
 with the trials it models). A repeat means the sampler has converged on what it knows: asked again
 with the same model it repeats again (95-97 % of such asks over 200 trials of ``bench/overhead.py``'s
-space, 3 seeds), so the untried config nearest the one it proposed (fewest knobs changed) is queued
-instead, and checked like any proposal: the local step TPE does not take in a discrete space. Before the sampler
-proposes, the memory frontier of the incumbent is walked (autotune/search/frontier.py): the largest
-micro-batch that fits, then the recompute it no longer needs. The study lives
-in Optuna storage (a journal file in the output directory), so a new :class:`Proposer` on the same
-file resumes it and ``optuna-dashboard`` can open it.
+space, 3 seeds: ``bench/proposer_alone.py``), so the untried config nearest the one it proposed
+(fewest knobs changed) is queued instead, and checked like any proposal: the local step TPE does
+not take in a discrete space. Before the sampler proposes, the memory frontier of the incumbent
+is walked (autotune/search/frontier.py): the largest micro-batch that fits, then the recompute it
+no longer needs. The study lives in Optuna storage (a journal file in the output directory), so a
+new :class:`Proposer` on the same file resumes it and ``optuna-dashboard`` can open it.
 """
 
 from __future__ import annotations
