@@ -7,8 +7,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from autotune.contract import BurstRequest, BurstResult
-from autotune.steady import steady_state
+from autotune.core.contract import BurstRequest, BurstResult
+from autotune.core.registry import burst_runner
+from autotune.core.steady import steady_state
 
 CACHE_ENV = "AUTOTUNE_CACHE"
 
@@ -31,8 +32,6 @@ def data_folder(source: str, path: str | None, relative_to: Path) -> Path:
 
 
 def run_burst(trainable: str, request: BurstRequest) -> BurstResult:
-    from trainables import burst_runner
-
     return burst_runner(trainable)(request)
 
 

@@ -15,19 +15,19 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from autotune._paths import BUILTIN_CAMPAIGNS_DIR
-from autotune.contract import Accelerator, BurstRequest, DataRealism, DataSpec, StackCapabilities, TrainableSupport
-from autotune.errors import InputFileError
-from autotune.knobs import Config
-from autotune.model import ModelSpec
+from autotune.core.contract import Accelerator, BurstRequest, DataRealism, DataSpec, StackCapabilities, TrainableSupport
+from autotune.core.errors import InputFileError
+from autotune.core.knobs import Config
+from autotune.core.model import ModelSpec
+from autotune.core.steady import MIN_WINDOW
 from autotune.resolve import resolve_model, resolve_trainable
 from autotune.rules import RuleContext
+from autotune.search import SamplerName
 from autotune.space import SearchSpace, load_space, resolve_space_path
-from autotune.steady import MIN_WINDOW
 from autotune.yaml_io import load_file
 
 Objective = Literal["useful_tokens_per_s_per_gpu", "model_tflops_per_s_per_gpu"]
 Launcher = Literal["auto", "local", "ray_train"]
-SamplerName = Literal["tpe", "random"]
 
 
 class _Strict(BaseModel):

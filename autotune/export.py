@@ -1,7 +1,7 @@
 """A config as the user pastes it: Megatron-Bridge Hydra overrides, Megatron-LM flags, YAML, JSON.
 
 Names follow the target megatron-core version (``cuda_graph_scope`` is ``cuda_graph_modules`` from
-0.19). Every format reads back to the same :class:`~autotune.knobs.Config` (the tests hold it so).
+0.19). Every format reads back to the same :class:`~autotune.core.knobs.Config` (the tests hold it so).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any, Literal
 
 import yaml
 
-from autotune.errors import InputFileError, KnobError
-from autotune.knobs import KNOBS, Config, complete_config
+from autotune.core.errors import InputFileError, KnobError
+from autotune.core.knobs import KNOBS, Config, complete_config
 from autotune.yaml_io import load_yaml_mapping
 
 Format = Literal["bridge", "megatron-lm", "yaml", "json"]

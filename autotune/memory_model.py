@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy.optimize import nnls
 
-from autotune.knobs import Config
-from autotune.model import ModelSpec
+from autotune.core.knobs import Config
+from autotune.core.model import ModelSpec
 
 BF16 = 2
 TRAINED_BYTES_PER_PARAMETER = 18

@@ -8,9 +8,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from autotune.contract import TrainableSupport
-from autotune.errors import AutotuneError, InputFileError
-from autotune.model import ModelSpec, model_preset
+from autotune.core.contract import TrainableSupport
+from autotune.core.errors import AutotuneError, InputFileError
+from autotune.core.model import ModelSpec, model_preset
+from autotune.core.registry import trainable_support
 from autotune.yaml_io import input_error
 
 
@@ -27,8 +28,6 @@ def resolve_model(
 
 
 def resolve_trainable(path: Path, field: str, name: str) -> TrainableSupport:
-    from trainables import trainable_support
-
     try:
         return trainable_support(name)
     except AutotuneError as exc:

@@ -1,5 +1,5 @@
 """The search-efficiency benchmark: how much device time each way of searching needs to find the
-best config of a recorded table (autotune/tables.py), replayed through the same burst contract.
+best config of a recorded table (autotune/core/tables.py), replayed through the same burst contract.
 
 Methods, per seed:
 
@@ -41,18 +41,18 @@ import optuna
 from rich.console import Console
 
 from autotune.campaign import Campaign, load_campaign
-from autotune.contract import FAILED_OUTCOMES
+from autotune.core.contract import FAILED_OUTCOMES
+from autotune.core.errors import AutotuneError
+from autotune.core.knobs import Config, complete_config
+from autotune.core.registry import REPLAY, burst_runner
+from autotune.core.steady import steady_state
+from autotune.core.tables import RecordedBurst, RecordedTable, TableError
 from autotune.engine.driver import run_campaign
 from autotune.engine.live import LiveView
 from autotune.engine.probe import apply_probe, recorded_probes
 from autotune.engine.rundir import create_run_dir
-from autotune.errors import AutotuneError
-from autotune.knobs import Config, complete_config
 from autotune.rules import violations
 from autotune.search.encoding import suggest_config
-from autotune.steady import steady_state
-from autotune.tables import RecordedBurst, RecordedTable, TableError
-from trainables import REPLAY, burst_runner
 
 REACH = 0.98
 

@@ -25,9 +25,9 @@ from typing import Any, Iterator
 from pydantic import BaseModel, ConfigDict, Field
 
 from autotune._paths import BUILTIN_SPACES_DIR
-from autotune.contract import StackCapabilities
-from autotune.errors import InputFileError, KnobError
-from autotune.knobs import KNOBS, Config, Value, complete_config, get_knob
+from autotune.core.contract import StackCapabilities
+from autotune.core.errors import InputFileError, KnobError
+from autotune.core.knobs import KNOBS, Config, Value, complete_config, get_knob
 from autotune.resolve import resolve_model, resolve_trainable
 from autotune.rules import RuleContext
 from autotune.yaml_io import load_file

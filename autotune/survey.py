@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from autotune.errors import InputFileError
-from autotune.knobs import Config
+from autotune.core.errors import InputFileError
+from autotune.core.knobs import Config
 from autotune.rules import RuleContext, Violation, violations
 from autotune.space import SearchSpace
 

@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from autotune.errors import InputFileError
+from autotune.core.errors import InputFileError
 
 
 def load_yaml_mapping(path: Path) -> dict[str, Any]:

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from autotune.bursts import data_folder, run_burst, summarize
 from autotune.campaign import builtin_campaign_path, load_campaign
-from autotune.contract import BurstRequest, DataSpec
-from autotune.knobs import complete_config
+from autotune.core.contract import BurstRequest, DataSpec
+from autotune.core.knobs import complete_config
 
 CONFIGS = {
     "bring-up (MBS 1, full recompute, vision trainable)": {

@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 
 from autotune.bursts import data_folder, run_burst, summarize
-from autotune.contract import BurstRequest, DataSpec
+from autotune.core.contract import BurstRequest, DataSpec
+from autotune.core.knobs import complete_config
+from autotune.core.model import model_preset
 from autotune.export import load_document
-from autotune.knobs import complete_config
-from autotune.model import model_preset
 
 H200_DENSE_BF16_PEAK = 0.989e15  # DESIGN.md §3 (measured bf16 matmul here: about 0.79e15)
 BRING_UP = {"micro_batch_size": 1, "recompute_granularity": "full", "recompute_method": "uniform",

@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 
 from autotune.bursts import data_folder, run_burst, summarize
-from autotune.contract import BurstRequest, DataSpec
-from autotune.knobs import complete_config
-from autotune.model import model_preset
+from autotune.core.contract import BurstRequest, DataSpec
+from autotune.core.knobs import complete_config
+from autotune.core.model import model_preset
 
 GRAPHS_ALL = {"cuda_graph_impl": "local", "cuda_graph_scope": ["attn", "moe_router", "moe_preprocess"]}
 CONFIGS = {

@@ -25,9 +25,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from autotune.campaign import load_campaign
+from autotune.core.steady import steady_state
+from autotune.core.tables import RecordedBurst, TableError, load_table
 from autotune.search.screening import screen
-from autotune.steady import steady_state
-from autotune.tables import RecordedBurst, TableError, load_table
 
 TOLERANCE = 0.03
 TARGET_SHARE = 0.90

@@ -17,8 +17,8 @@ import statistics
 from pathlib import Path
 
 from autotune.campaign import load_campaign
+from autotune.core.tables import load_table
 from autotune.memory_model import MemoryModel
-from autotune.tables import load_table
 
 
 def main() -> None:

@@ -39,12 +39,12 @@ from ray.cluster_utils import Cluster
 from rich.console import Console
 
 from autotune.campaign import load_campaign
+from autotune.core.knobs import complete_config
+from autotune.core.tables import append_row, load_table
 from autotune.engine import tune_roles
 from autotune.engine.driver import run_campaign
 from autotune.engine.live import LiveView
 from autotune.engine.rundir import create_run_dir
-from autotune.knobs import complete_config
-from autotune.tables import append_row, load_table
 
 ROOT = Path(__file__).resolve().parent.parent
 RECORDED = ROOT / "bench/data/cpu_native_vlm.jsonl"

@@ -22,9 +22,9 @@ from pathlib import Path
 import optuna
 
 from autotune.campaign import load_campaign
+from autotune.core.tables import load_table
 from autotune.memory_model import MemoryModel
 from autotune.search.proposer import Proposer
-from autotune.tables import load_table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead import AT_ONCE, TRIALS, write_inputs  # noqa: E402  (the same space and rows)

@@ -1,4 +1,4 @@
-"""Record a table (autotune/tables.py): every config of a campaign's space, run once for real with
+"""Record a table (autotune/core/tables.py): every config of a campaign's space, run once for real with
 the campaign's trainable, model, data, trial size and memory caps, one JSON line per burst.
 
   python bench/record_table.py --campaign campaigns/cpu_demo.yaml --steps 30 --out bench/data/cpu_native_vlm.jsonl
@@ -26,7 +26,7 @@ from rich.progress import Progress
 
 from autotune.bursts import run_burst
 from autotune.campaign import load_campaign
-from autotune.tables import RecordedBurst, append_row, load_table
+from autotune.core.tables import RecordedBurst, append_row, load_table
 from trainables.probe import probe
 
 GIB = 2**30

@@ -11,13 +11,13 @@ from typing import Any
 import pytest
 import yaml
 
-from autotune.contract import StackCapabilities
+from autotune.core.contract import StackCapabilities
+from autotune.core.knobs import Config, complete_config
+from autotune.core.model import model_preset
+from autotune.core.registry import trainable_support
+from autotune.core.tables import RecordedBurst, append_row
 from autotune.engine.rundir import JsonLines
-from autotune.knobs import Config, complete_config
-from autotune.model import model_preset
 from autotune.rules import RuleContext
-from autotune.tables import RecordedBurst, append_row
-from trainables import trainable_support
 from trainables.probe import probe
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from autotune.campaign import load_campaign
-from autotune.errors import InputFileError
+from autotune.core.errors import InputFileError
 from autotune.space import load_space
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from autotune.campaign import builtin_campaign_path, load_campaign
-from autotune.errors import InputFileError
+from autotune.core.errors import InputFileError
 
 SHIPPED = sorted(Path("campaigns").glob("*.yaml"))
 

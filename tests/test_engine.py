@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from autotune.core.knobs import KNOBS, complete_config, parse_bridge_overrides, parse_megatron_lm_args
 from autotune.engine.promotion import decide, projected_headroom, promotion_candidates
 from autotune.engine.rundir import JsonLines
 from autotune.export import FORMATS, load_document, render
-from autotune.knobs import KNOBS, complete_config, parse_bridge_overrides, parse_megatron_lm_args
 from conftest import OOM_CAP_GIB, OOM_SPACE, TEST_MODEL, autotune, campaign_file, entries, only_run_dir
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -198,9 +198,9 @@ def test_ray_train_launcher_runs_an_ep2_burst_on_a_two_worker_group(tmp_path, ph
     import ray
     from ray import tune
 
-    from autotune.contract import BurstRequest, DataSpec
+    from autotune.core.contract import BurstRequest, DataSpec
+    from autotune.core.model import model_preset
     from autotune.engine.trial import TrialJob, read_result, run_trial
-    from autotune.model import model_preset
 
     request = BurstRequest(config=complete_config({}), model=model_preset("cpu_tiny_moe_vlm", TEST_MODEL),
                            data=DataSpec(str(photo_shards)), steps=3, world_size=2, data_workers=0)

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from autotune.core.knobs import KNOBS, complete_config, parse_bridge_overrides, parse_megatron_lm_args
 from autotune.export import FORMATS, bridge_overrides, load_document, megatron_lm_args, render
-from autotune.knobs import KNOBS, complete_config, parse_bridge_overrides, parse_megatron_lm_args
 from autotune.space import load_space
 
 SPACES = sorted(Path("search_spaces").glob("*.yaml"))

@@ -20,12 +20,12 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from autotune.core.errors import AutotuneError
+from autotune.core.tables import append_row, load_table
 from autotune.engine.driver import run_campaign
 from autotune.engine.live import LiveView
 from autotune.engine.rundir import TRIALS_FILE, RunDir, create_run_dir
-from autotune.errors import AutotuneError
 from autotune.search_benchmark import replay_campaign
-from autotune.tables import append_row, load_table
 from conftest import campaign_file
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from autotune.knobs import complete_config
+from autotune.core.knobs import complete_config
 from autotune.search.frontier import MemoryFrontier, Result
 from autotune.search.proposer import Proposer
 from autotune.space import load_space, target_context

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from autotune.errors import KnobError
-from autotune.knobs import (
+from autotune.core.errors import KnobError
+from autotune.core.knobs import (
     KNOBS,
     Config,
     complete_config,
@@ -13,7 +13,7 @@ from autotune.knobs import (
     parse_bridge_overrides,
     parse_megatron_lm_args,
 )
-from autotune.knobs._domains import BoolDomain, ChoiceDomain, IntDomain, SubsetDomain
+from autotune.core.knobs._domains import BoolDomain, ChoiceDomain, IntDomain, SubsetDomain
 
 ISSUE_KNOBS = {
     "micro_batch_size", "recompute_granularity", "recompute_method", "recompute_num_layers",

@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("megatron.core", reason="needs the `megatron` extra (megatron-core)")
 
-from autotune.knobs import KNOBS, Config, complete_config  # noqa: E402
+from autotune.core.knobs import KNOBS, Config, complete_config  # noqa: E402
 from autotune.rules import RULES, violations  # noqa: E402
 from autotune.space import load_space, target_context  # noqa: E402
 from tests.conftest import make_context  # noqa: E402

@@ -16,11 +16,11 @@ import torch  # noqa: E402
 
 from autotune.bursts import run_burst  # noqa: E402
 from autotune.campaign import load_campaign  # noqa: E402
-from autotune.contract import BurstRequest, DataSpec  # noqa: E402
+from autotune.core.contract import BurstRequest, DataSpec  # noqa: E402
+from autotune.core.errors import AutotuneError  # noqa: E402
+from autotune.core.knobs import complete_config  # noqa: E402
+from autotune.core.model import model_preset  # noqa: E402
 from autotune.engine.probe import apply_probe  # noqa: E402
-from autotune.errors import AutotuneError  # noqa: E402
-from autotune.knobs import complete_config  # noqa: E402
-from autotune.model import model_preset  # noqa: E402
 from trainables.probe import accelerator_label, probe  # noqa: E402
 
 pytestmark = pytest.mark.megatron

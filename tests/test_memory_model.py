@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from autotune.knobs import complete_config
+from autotune.core.knobs import complete_config
+from autotune.core.model import model_preset
 from autotune.memory_model import MIN_OBSERVATIONS, MemoryModel, memory_terms
-from autotune.model import model_preset
 from autotune.search.proposer import Proposer
 from autotune.space import load_space, target_context
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from autotune.contract import BurstRequest, DataSpec
-from autotune.knobs import complete_config
-from autotune.model import model_preset
+from autotune.core.contract import BurstRequest, DataSpec
+from autotune.core.knobs import complete_config
+from autotune.core.model import model_preset
 from trainables.data.loader import ImageSettings, PackedVLMDataset
 from trainables.launch import run_local
 from trainables.native.model import MoEVLM
@@ -110,7 +110,7 @@ def _free_port() -> int:
 EP_WORKER = r"""
 import pickle, sys, torch, torch.distributed as dist
 from datetime import timedelta
-from autotune.knobs import complete_config
+from autotune.core.knobs import complete_config
 from trainables.native.model import MoEVLM
 from trainables.native.parallelize import make_groups, apply_expert_parallel
 rank, port, path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
@@ -197,7 +197,7 @@ def test_unexpected_error_is_failed_with_traceback(photo_shards: Path, monkeypat
 def test_a_rank_that_cannot_start_reports_why(photo_shards: Path) -> None:
     result = run_local(request(photo_shards, world_size=2), trainable="no_such_trainable")
     assert result.outcome == "failed"
-    assert "could not start" in result.error and "no rank runner" in result.error
+    assert "could not start" in result.error and "unknown trainable 'no_such_trainable'" in result.error
 
 
 @pytest.mark.parametrize("world_size", [1, 2])

@@ -17,12 +17,12 @@ from ray.cluster_utils import Cluster
 from rich.console import Console
 
 from autotune.campaign import load_campaign
+from autotune.core.knobs import complete_config
+from autotune.core.tables import RecordedBurst, append_row
 from autotune.engine.driver import run_campaign
 from autotune.engine.live import LiveView
 from autotune.engine.placement import NVLINK_DOMAIN_LABEL, DomainPlanner, label_selectors
 from autotune.engine.rundir import create_run_dir
-from autotune.knobs import complete_config
-from autotune.tables import RecordedBurst, append_row
 from conftest import campaign_file
 from trainables.probe import probe
 

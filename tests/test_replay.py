@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 
 from autotune.campaign import load_campaign
-from autotune.contract import BurstRequest, BurstResult, DataSpec, StepRecord, StepReport
+from autotune.core.contract import BurstRequest, BurstResult, DataSpec, StepRecord, StepReport
+from autotune.core.knobs import complete_config
+from autotune.core.model import model_preset
+from autotune.core.tables import RecordedBurst, TableError, append_row, load_table
 from autotune.engine.ledger import Ledger
 from autotune.engine.rundir import create_run_dir
 from autotune.engine.trial import end_result, step_result
-from autotune.knobs import complete_config
-from autotune.model import model_preset
 from autotune.space import load_space
-from autotune.tables import RecordedBurst, TableError, append_row, load_table
 from conftest import campaign_file
 from trainables.replay.burst import run_replay, warmup_steps
 

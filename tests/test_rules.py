@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from autotune.errors import ConfigRejected
+from autotune.core.errors import ConfigRejected
 from autotune.rules import RULES, require_valid, violations
 from tests.conftest import cfg, make_context
 

@@ -11,14 +11,14 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from autotune.knobs import complete_config
+from autotune.core.knobs import complete_config
+from autotune.core.steady import steady_state
+from autotune.rules import violations
 from autotune.search.encoding import config_params, suggest_config
 from autotune.search.memory import needs_at_least_as_much_memory
 from autotune.search.proposer import Proposer
 from autotune.search.screening import screen
 from autotune.space import load_space, target_context
-from autotune.steady import steady_state
-from autotune.rules import violations
 
 CPU_DEMO = load_space(Path("search_spaces/cpu_demo.yaml"))
 H200 = load_space(Path("search_spaces/h200_single.yaml"))

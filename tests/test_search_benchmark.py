@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from autotune.knobs import complete_config
+from autotune.core.knobs import complete_config
+from autotune.core.tables import append_row, load_table
 from autotune.search_benchmark import REACH, Replayer, replay_campaign, run_autotune, run_grid, run_random, truth
-from autotune.tables import append_row, load_table
 from conftest import REPLAY_SPACE as SPACE
 from conftest import STARTUP, campaign_file, recorded
 from trainables.probe import probe

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from autotune.errors import InputFileError
+from autotune.core.errors import InputFileError
 from autotune.space import load_space, target_context
 from autotune.survey import check_warm_starts, survey_space
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from autotune.steady import mser_truncation, steady_state
+from autotune.core.steady import mser_truncation, steady_state
 
 
 def noisy(level: float, count: int, noise: float, seed: int) -> list[float]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from autotune.model import ModelSpec
+from autotune.core.model import ModelSpec
 
 CONVENTION = (
     "2 per multiply-add; packed sequences as run; MoE: router + top-k + shared experts; causal pairs "

@@ -22,7 +22,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from autotune.contract import BurstRequest, BurstResult, Reporter, StepReport
+from autotune.core.contract import BurstRequest, BurstResult, Reporter, StepReport
+from autotune.core.registry import rank_runner, trainable_support
 
 if TYPE_CHECKING:
     import torch
@@ -94,8 +95,6 @@ def _rank_main(
         dist.init_process_group(
             backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=RANK_TIMEOUT
         )
-        from trainables import rank_runner
-
         try:
             result = rank_runner(trainable)(request, device, reporter if rank == 0 else None)
         finally:
@@ -112,8 +111,6 @@ def run_local(request: BurstRequest, reporter: Reporter | None = None, trainable
     aggregate); returning ``False`` stops every rank after that step (outcome ``pruned``). One
     uncapped rank runs in the caller's process unless the trainable needs a fresh process.
     """
-    from trainables import rank_runner, trainable_support
-
     if (request.world_size == 1 and request.cpu_memory_cap_bytes is None
             and not trainable_support(trainable).fresh_process):
         import torch

@@ -13,7 +13,7 @@ import platform
 
 import torch
 
-from autotune.contract import Accelerator
+from autotune.core.contract import Accelerator
 
 # Device names as torch reports them ("NVIDIA H200", "NVIDIA GB200") → our accelerator labels.
 _ACCELERATORS: tuple[tuple[str, Accelerator], ...] = (("GB200", "gb200"), ("B200", "b200"), ("H200", "h200"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from autotune.contract import Outcome, StepRecord
+from autotune.core.contract import Outcome, StepRecord
 
 
 def run_steps(steps: int, train_step: Callable[[int], tuple[StepRecord, bool]], records: list[StepRecord]) -> Outcome:

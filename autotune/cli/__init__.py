@@ -1,6 +1,6 @@
 """The ``autotune`` command line. Each command group lives in its own module and registers here.
 
-User errors (:class:`~autotune.errors.AutotuneError`) print one clear message and exit with 2;
+User errors (:class:`~autotune.core.errors.AutotuneError`) print one clear message and exit with 2;
 anything else is a bug and keeps its traceback.
 """
 
@@ -13,7 +13,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from autotune.errors import AutotuneError
+from autotune.core.errors import AutotuneError
 
 app = typer.Typer(
     name="autotune",

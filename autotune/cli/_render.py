@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.markup import escape
 from rich.table import Table
 
-from autotune.knobs import KNOBS
+from autotune.core.knobs import KNOBS
 from autotune.rules import RULES, RuleContext
 from autotune.space import SearchSpace
 from autotune.survey import SpaceSurvey

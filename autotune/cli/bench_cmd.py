@@ -23,9 +23,9 @@ def search(
     out: Path | None = typer.Option(None, "--out", help="Also write the result, with its contract, here."),
 ) -> None:
     """Device time each search method needs to promote a config within 98 % of the table's best."""
+    from autotune.core.tables import load_table
     from autotune.engine.driver import connect
     from autotune.search_benchmark import benchmark
-    from autotune.tables import load_table
 
     loaded = load_table(table)
     connect(None)

@@ -13,9 +13,9 @@ from rich.table import Table
 from autotune.bursts import data_folder, run_burst, summarize
 from autotune.campaign import builtin_campaign_path, load_campaign
 from autotune.cli import console
-from autotune.contract import BurstRequest, DataSpec
-from autotune.errors import AutotuneError
-from autotune.knobs import complete_config
+from autotune.core.contract import BurstRequest, DataSpec
+from autotune.core.errors import AutotuneError
+from autotune.core.knobs import complete_config
 from autotune.rules import violations
 from autotune.space import load_space, target_context
 

@@ -6,7 +6,7 @@ import typer
 from rich.table import Table
 
 from autotune.cli import console
-from autotune.knobs import KNOBS
+from autotune.core.knobs import KNOBS
 
 
 def knobs(

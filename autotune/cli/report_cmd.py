@@ -12,8 +12,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from autotune.core.knobs import complete_config
 from autotune.engine.rundir import REPORT_FILE
-from autotune.knobs import complete_config
 from autotune.report.analysis import RunReport, load_report
 from autotune.report.compare import compare
 

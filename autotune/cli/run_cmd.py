@@ -14,10 +14,10 @@ from rich.table import Table
 
 from autotune.campaign import Campaign, builtin_campaign_path, load_campaign
 from autotune.cli import console
+from autotune.core.errors import InputFileError
+from autotune.core.knobs import complete_config
 from autotune.engine.rundir import REPORT_FILE, WINNER_FILE, create_run_dir, open_run_dir
-from autotune.errors import InputFileError
 from autotune.export import render
-from autotune.knobs import complete_config
 from autotune.report.analysis import load_report
 from autotune.survey import survey_space
 

@@ -10,7 +10,7 @@ from rich.markup import escape
 from autotune.campaign import builtin_campaign_path, load_campaign
 from autotune.cli import console
 from autotune.cli._render import context_line, survey_table
-from autotune.errors import InputFileError
+from autotune.core.errors import InputFileError
 from autotune.rules import violations
 from autotune.survey import survey_space
 

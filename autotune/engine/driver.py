@@ -20,6 +20,11 @@ import ray
 from ray import tune
 
 from autotune.campaign import Campaign
+from autotune.core.errors import AutotuneError
+from autotune.core.knobs import complete_config
+from autotune.core.registry import REPLAY
+from autotune.core.tables import load_table
+from autotune.durable import OutputUnwritable
 from autotune.engine.faults import exception_chain
 from autotune.engine.ledger import Ledger, Stage
 from autotune.engine.live import LiveView
@@ -27,17 +32,13 @@ from autotune.engine.placement import DomainPlanner
 from autotune.engine.probe import apply_probe, probe_cluster, recorded_probes
 from autotune.engine.promotion import Verdict, decide, leaderboard, projected_headroom, promotion_candidates
 from autotune.engine.rundir import (
-    LEADERBOARD_FILE, PROBE_FILE, SPEND_FILE, WINNER_FILE, OutputUnwritable, RunDir, open_run_dir,
+    LEADERBOARD_FILE, PROBE_FILE, SPEND_FILE, WINNER_FILE, RunDir, open_run_dir,
 )
 from autotune.engine.trial import TrialJob, run_trial
-from autotune.errors import AutotuneError
 from autotune.export import document
-from autotune.knobs import complete_config
 from autotune.memory_model import MemoryModel
 from autotune.search.proposer import Proposer
 from autotune.space import SearchSpace
-from autotune.tables import load_table
-from trainables import REPLAY
 
 
 DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG, errno.EACCES, errno.EIO}

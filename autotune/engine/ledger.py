@@ -13,13 +13,13 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Literal
 
+from autotune.core.knobs import Config
+from autotune.core.steady import SteadyEstimate, steady_state
 from autotune.engine.faults import node_lost_reason
 from autotune.engine.rundir import RunDir, spend
 from autotune.engine.trial import read_result
-from autotune.knobs import Config
 from autotune.search.proposer import Rejection
 from autotune.search.screening import ScreenDecision
-from autotune.steady import SteadyEstimate, steady_state
 
 
 Stage = Literal["screen", "promote"]

@@ -15,7 +15,7 @@ from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
 
-from autotune.knobs import complete_config
+from autotune.core.knobs import complete_config
 from autotune.space import SearchSpace
 
 if TYPE_CHECKING:

@@ -10,8 +10,8 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from autotune.campaign import Campaign
-from autotune.errors import AutotuneError
-from autotune.tables import RecordedTable
+from autotune.core.errors import AutotuneError
+from autotune.core.tables import RecordedTable
 
 SOFTWARE_FIELDS = ("megatron_core", "transformer_engine", "deep_ep", "hybrid_ep")
 

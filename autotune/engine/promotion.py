@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from autotune.knobs import Config, complete_config
+from autotune.core.knobs import Config, complete_config
 
 
 def promotion_candidates(entries: list[dict[str, Any]], top_k: int, space: str,

@@ -27,10 +27,10 @@ from typing import Any, Literal
 from ray import tune
 
 from autotune.bursts import data_folder
-from autotune.contract import BurstRequest, BurstResult, StepReport
+from autotune.core.contract import BurstRequest, BurstResult, StepReport
+from autotune.core.knobs import complete_config
+from autotune.core.registry import REPLAY, burst_runner, rank_runner
 from autotune.engine.placement import NVLINK_DOMAIN_LABEL, label_selectors
-from autotune.knobs import complete_config
-from trainables import REPLAY
 
 
 TRIAL_DRIVER_CPU = 0.01
@@ -142,8 +142,6 @@ def run_trial(params: dict[str, Any], job: TrialJob) -> None:
     request = job.request_for(params)
     reporter = _TuneReporter(job)
     if job.launcher == "local":
-        from trainables import burst_runner
-
         result = burst_runner(job.trainable)(request, reporter)
         if not reporter.stopped:
             tune.report(end_result(result))
@@ -191,8 +189,6 @@ def _worker_loop(config: dict[str, Any]) -> None:
     import ray.train.torch
     import torch
     import torch.distributed as dist
-
-    from trainables import rank_runner
 
     job: TrialJob = config["job"]
     request: BurstRequest = config["request"]

@@ -20,10 +20,10 @@ from ray.tune.schedulers import FIFOScheduler, TrialScheduler
 from ray.tune.search import Searcher
 
 from autotune.campaign import Campaign
+from autotune.core.knobs import Config
 from autotune.engine.faults import NODE_LOST, node_lost_reason
 from autotune.engine.ledger import Ledger
 from autotune.engine.placement import DomainPlanner
-from autotune.knobs import Config
 from autotune.search.proposer import Proposal, Proposer
 from autotune.search.screening import screen
 

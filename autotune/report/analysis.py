@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from autotune.core.knobs import KNOBS, complete_config
 from autotune.engine.promotion import Verdict, decide, leaderboard
 from autotune.engine.rundir import PROBE_FILE, RunDir, open_run_dir, spend
-from autotune.knobs import KNOBS, complete_config
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from autotune.knobs import complete_config
+from autotune.core.knobs import complete_config
 from autotune.report.analysis import RunReport
 
 WORKLOAD_KEYS = ("model", "seq_length", "images", "data_realism", "precision", "objective")

@@ -12,7 +12,7 @@ import math
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from autotune.knobs import complete_config
+from autotune.core.knobs import complete_config
 from autotune.report.analysis import OUTCOMES, STAGE_PARTS, RunReport
 
 OUTCOME_COLOURS = {"ok": "#2a9d8f", "pruned": "#8ab17d", "oom": "#e76f51", "invalid": "#9b5de5",

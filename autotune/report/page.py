@@ -13,7 +13,7 @@ from typing import Any
 
 import plotly.offline
 
-from autotune.knobs import complete_config
+from autotune.core.knobs import complete_config
 from autotune.report import figures
 from autotune.report.analysis import RunReport
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Literal
 
-from autotune.contract import StackCapabilities, TrainableSupport
-from autotune.errors import ConfigRejected
-from autotune.knobs import PER_LAYER_GRAPH_IMPLS, Config
-from autotune.model import ModelSpec
+from autotune.core.contract import StackCapabilities, TrainableSupport
+from autotune.core.errors import ConfigRejected
+from autotune.core.knobs import PER_LAYER_GRAPH_IMPLS, Config
+from autotune.core.model import ModelSpec
 
 RuleSource = Literal["megatron-core", "megatron-lm", "stack", "autotune"]
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from autotune.knobs import Config
+from autotune.core.knobs import Config
 from autotune.rules._base import RuleContext, rule, selective
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from packaging.version import Version
 
-from autotune.knobs import Config
+from autotune.core.knobs import Config
 from autotune.rules._base import RuleContext, rule, selective
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import optuna
 
-from autotune.knobs import KNOBS, Config, Value
+from autotune.core.knobs import KNOBS, Config, Value
 from autotune.space import SearchSpace
 
 

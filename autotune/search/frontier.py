@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from itertools import groupby
 from typing import Iterable, Literal, Mapping
 
-from autotune.knobs import KNOBS, Config
+from autotune.core.knobs import KNOBS, Config
 from autotune.search.memory import FREEZE_KNOBS, MEMORY_KNOBS, recompute_saving
 from autotune.space import SearchSpace
 

@@ -28,7 +28,7 @@ from typing import Any, Iterator
 from optuna.storages.journal import BaseJournalBackend, JournalFileBackend, JournalFileSymlinkLock
 from optuna.trial import TrialState
 
-from autotune.engine.rundir import append_bytes
+from autotune.durable import append_bytes
 
 
 class CampaignJournal(BaseJournalBackend):

@@ -11,7 +11,7 @@ ungraphed twin's, and none fits where the twin ran out); two graph settings comp
 
 from __future__ import annotations
 
-from autotune.knobs import KNOBS, Config
+from autotune.core.knobs import KNOBS, Config
 
 FREEZE_KNOBS = ("freeze_vision_model", "freeze_vision_projection")
 MEMORY_KNOBS = frozenset({

@@ -30,11 +30,11 @@ import numpy as np
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from autotune.campaign import SamplerName
-from autotune.contract import FAILED_OUTCOMES
-from autotune.knobs import Config, Value, complete_config
+from autotune.core.contract import FAILED_OUTCOMES
+from autotune.core.knobs import Config, Value, complete_config
 from autotune.memory_model import MemoryModel
 from autotune.rules import RuleContext, violations
+from autotune.search import SamplerName
 from autotune.search.encoding import config_params, suggest_config
 from autotune.search.frontier import MemoryFrontier, Result
 from autotune.search.journal import CampaignJournal

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
-from autotune.steady import MIN_WINDOW, SteadyEstimate, steady_state
+from autotune.core.steady import MIN_WINDOW, SteadyEstimate, steady_state
 
 Action = Literal["continue", "stop", "prune"]
 

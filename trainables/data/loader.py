@@ -20,7 +20,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from autotune.contract import BurstRequest, DataRealism
+from autotune.core.contract import BurstRequest, DataRealism
 from trainables.data import tokenizer
 from trainables.data.image_tokens import decoder_image_tokens, smart_resize, to_patches
 from trainables.data.shards import DataError, iter_samples, list_shards

@@ -20,7 +20,7 @@ from typing import Iterator
 import numpy as np
 from PIL import Image
 
-from autotune.errors import AutotuneError
+from autotune.core.errors import AutotuneError
 from trainables.data.photos import PHOTOS
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from autotune.contract import BurstRequest, BurstResult, Reporter, StepRecord, StepReport
+from autotune.core.contract import BurstRequest, BurstResult, Reporter, StepRecord, StepReport
 from trainables.data.loader import MicroBatch, rank_loader
 from trainables.flops import CONVENTION, step_flops
 from trainables.stage_clock import StageClock

@@ -4,6 +4,6 @@ Every knob maps to megatron-core; what the installed stack cannot run (TE-only p
 version bugs) is decided by the stack rules from the capability probe, not here.
 """
 
-from autotune.contract import TrainableSupport
+from autotune.core.contract import TrainableSupport
 
 SUPPORT = TrainableSupport(name="megatron", requires_cuda=True, fresh_process=True)

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from packaging.version import Version
 
-from autotune.knobs import KNOBS, Config
-from autotune.model import ModelSpec
+from autotune.core.knobs import KNOBS, Config
+from autotune.core.model import ModelSpec
 
 FULL_ITERATION_IMPL_VERSION = Version("0.19.0")
 

@@ -34,7 +34,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import MoETransformerLayer, get_transformer_layer_offset
 from torch import nn
 
-from autotune.model import ModelSpec
+from autotune.core.model import ModelSpec
 from trainables.data.tokenizer import IMAGE
 from trainables.native.model import patch_positions, sincos_2d
 

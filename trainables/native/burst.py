@@ -1,5 +1,5 @@
 """One burst of the native MoE VLM on one rank: build, parallelize, train ``steps`` steps on real
-data, and report a :class:`~autotune.contract.StepRecord` per step (summed over ranks).
+data, and report a :class:`~autotune.core.contract.StepRecord` per step (summed over ranks).
 
 How the ranks' processes start is not this module's concern: ``launch.py`` spawns them locally;
 a Ray Train worker group can call :func:`run_rank` the same way once ``torch.distributed`` is up.
@@ -22,12 +22,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from autotune.contract import BurstRequest, BurstResult, Reporter, StepRecord, StepReport
+from autotune.core.contract import BurstRequest, BurstResult, Reporter, StepRecord, StepReport
 from trainables.data.loader import MicroBatch, rank_loader
-from trainables.native.cuda_graphs import apply_cuda_graphs
-from trainables.stage_clock import StageClock
-from trainables.step_loop import run_steps
 from trainables.flops import CONVENTION, step_flops
+from trainables.native.cuda_graphs import apply_cuda_graphs
 from trainables.native.model import GroupedExperts, MoEVLM
 from trainables.native.parallelize import (
     ParallelGroups,
@@ -37,6 +35,8 @@ from trainables.native.parallelize import (
     sync_expert_gradients,
 )
 from trainables.native.recompute import Checkpointed, apply_recompute
+from trainables.stage_clock import StageClock
+from trainables.step_loop import run_steps
 
 log = logging.getLogger(__name__)
 

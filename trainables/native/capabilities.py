@@ -7,7 +7,7 @@ data-dependent shapes), only on CUDA, and not with FSDP2 (the burst reports that
 ``invalid`` before step 1: sharded parameters move, captured graphs would read stale storage).
 """
 
-from autotune.contract import TrainableSupport
+from autotune.core.contract import TrainableSupport
 
 SUPPORT = TrainableSupport(
     name="native",

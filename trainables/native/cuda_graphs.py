@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from autotune.knobs import Config
+from autotune.core.knobs import Config
 from trainables.native.model import MoEVLM
 
 

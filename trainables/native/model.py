@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autotune.model import ModelSpec
+from autotune.core.model import ModelSpec
 from trainables.data import tokenizer
 
 

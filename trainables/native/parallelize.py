@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from autotune.knobs import Config
+from autotune.core.knobs import Config
 from trainables.native.model import GroupedExperts, MoE, MoEVLM
 
 

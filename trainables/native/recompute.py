@@ -13,7 +13,7 @@ from __future__ import annotations
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from autotune.knobs import Config
+from autotune.core.knobs import Config
 from trainables.native.model import LayerStack, MoEVLM
 
 

@@ -18,9 +18,9 @@ import functools
 import random
 from pathlib import Path
 
-from autotune.contract import BurstRequest, BurstResult, Reporter, StepRecord, StepReport
-from autotune.steady import steady_state
-from autotune.tables import RecordedBurst, RecordedTable, load_table
+from autotune.core.contract import BurstRequest, BurstResult, Reporter, StepRecord, StepReport
+from autotune.core.steady import steady_state
+from autotune.core.tables import RecordedBurst, RecordedTable, load_table
 
 GIB = 2**30
 RECORDED_WARMUP_MIN = 1

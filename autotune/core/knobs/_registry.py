@@ -10,8 +10,8 @@ with dashes; ``--num-virtual-stages-per-pipeline-rank`` for VPP, ``--freeze-ViT`
 
 from __future__ import annotations
 
-from autotune.knobs._base import Condition, Knob
-from autotune.knobs._domains import BoolDomain, ChoiceDomain, IntDomain, SubsetDomain
+from autotune.core.knobs._base import Condition, Knob
+from autotune.core.knobs._domains import BoolDomain, ChoiceDomain, IntDomain, SubsetDomain
 
 RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
 CUDA_GRAPH_SCOPES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba")

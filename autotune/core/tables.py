@@ -18,15 +18,22 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Iterator, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from autotune.errors import AutotuneError, KnobError
-from autotune.knobs import Config, complete_config
-from autotune.space import SearchSpace
+from autotune.core.errors import AutotuneError, KnobError
+from autotune.core.knobs import Config, complete_config
 
 RecordedOutcome = Literal["ok", "oom", "invalid", "failed"]
+
+
+class Grid(Protocol):
+    """The configs a table must hold (a search space)."""
+
+    name: str
+
+    def configs(self) -> Iterator[Config]: ...
 
 
 class TableError(AutotuneError):
@@ -71,15 +78,13 @@ class RecordedTable:
         except KeyError:
             raise TableError(f"{self.path}: no recorded burst for {config.describe()}") from None
 
-    def missing(self, space: SearchSpace) -> list[Config]:
-        """The configs of ``space`` this table lacks."""
-        return [config for config in space.configs() if config not in self.rows]
-
-    def require_complete(self, space: SearchSpace) -> None:
-        missing = self.missing(space)
+    def require_complete(self, space: Grid) -> None:
+        """Every config of ``space`` is recorded, or a :class:`TableError` says how many are not."""
+        configs = list(space.configs())
+        missing = [config for config in configs if config not in self.rows]
         if missing:
             raise TableError(
-                f"{self.path}: {len(missing)} of the {space.size()} configs of space {space.name} are not "
+                f"{self.path}: {len(missing)} of the {len(configs)} configs of space {space.name} are not "
                 f"recorded, e.g. {missing[0].describe()}; record them (bench/record_table.py resumes)"
             )
 

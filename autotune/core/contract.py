@@ -11,8 +11,8 @@ from typing import Callable, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict
 
-from autotune.knobs import KNOBS, Config, Value, get_knob
-from autotune.model import ModelSpec
+from autotune.core.knobs import KNOBS, Config, Value, get_knob
+from autotune.core.model import ModelSpec
 
 Accelerator = Literal["cpu", "h100", "h200", "b200", "gb200"]
 
@@ -184,4 +184,4 @@ class BurstRequest:
     (``RLIMIT_AS``), so training steps that need more fail to allocate: a real OOM boundary.
     Capped ranks run in fresh processes, whose heaps hold no freed memory to reuse uncounted."""
     replay_table: str | None = None
-    """The replay trainable's recorded table (autotune/tables.py); other trainables ignore it."""
+    """The replay trainable's recorded table (autotune/core/tables.py); other trainables ignore it."""

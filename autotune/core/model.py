@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from autotune.errors import AutotuneError
+from autotune.core.errors import AutotuneError
 
 
 class _Frozen(BaseModel):

@@ -7,8 +7,8 @@ from typing import Any, Callable, Literal, Mapping
 
 from packaging.version import Version
 
-from autotune.errors import KnobError
-from autotune.knobs._domains import BoolDomain, Domain, SubsetDomain, Value
+from autotune.core.errors import KnobError
+from autotune.core.knobs._domains import BoolDomain, Domain, SubsetDomain, Value
 
 MegatronTarget = Literal["transformer", "ddp", "llava_freeze", "training"]
 """Where megatron-core reads a knob: ``TransformerConfig`` (including its ``ModelParallelConfig``

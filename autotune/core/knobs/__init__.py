@@ -11,10 +11,10 @@ from typing import Any, Iterator, Mapping
 
 import yaml
 
-from autotune.errors import KnobError
-from autotune.knobs._base import Condition, Knob, MegatronTarget
-from autotune.knobs._domains import BoolDomain, IntDomain, SubsetDomain, Value
-from autotune.knobs._registry import CUDA_GRAPH_SCOPES, KNOBS, PER_LAYER_GRAPH_IMPLS, RECOMPUTE_MODULES
+from autotune.core.errors import KnobError
+from autotune.core.knobs._base import Condition, Knob, MegatronTarget
+from autotune.core.knobs._domains import BoolDomain, IntDomain, SubsetDomain, Value
+from autotune.core.knobs._registry import CUDA_GRAPH_SCOPES, KNOBS, PER_LAYER_GRAPH_IMPLS, RECOMPUTE_MODULES
 
 __all__ = [
     "CUDA_GRAPH_SCOPES",

@@ -1,0 +1,68 @@
+"""The trainables by name: what each honours and how to run it.
+
+Each is found by its import path, so the tuner imports a trainable's modules only to run it, and
+reads what it honours from a plain-data module (no torch, no Megatron). The replay trainable serves a
+recorded table (``request.replay_table``) on no device; what it honours is what the recorded
+trainable honoured, so it declares nothing here.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+from autotune.core.contract import BurstRequest, BurstResult, Reporter, TrainableSupport
+from autotune.core.errors import AutotuneError
+
+if TYPE_CHECKING:
+    import torch
+
+REPLAY = "replay"
+
+
+@dataclass(frozen=True)
+class TrainableEntry:
+    support: str | None
+    """``module:attribute`` of its :class:`TrainableSupport` (``None``: the replay trainable)."""
+    rank_runner: str
+    """``module:function`` that runs one rank of a burst once ``torch.distributed`` is up."""
+
+
+TRAINABLES: dict[str, TrainableEntry] = {
+    "native": TrainableEntry("trainables.native.capabilities:SUPPORT", "trainables.native.burst:run_rank"),
+    "megatron": TrainableEntry("trainables.megatron.capabilities:SUPPORT", "trainables.megatron.burst:run_rank"),
+    REPLAY: TrainableEntry(None, "trainables.replay.burst:run_replay_rank"),
+}
+
+
+def trainable_support(name: str) -> TrainableSupport:
+    """What the trainable ``name`` honours; an unknown name is a clear error."""
+    entry = TRAINABLES.get(name)
+    if entry is None or entry.support is None:
+        known = ", ".join(n for n, e in TRAINABLES.items() if e.support is not None)
+        raise AutotuneError(f"unknown trainable {name!r}; known trainables: {known}")
+    return _load(entry.support)
+
+
+def burst_runner(name: str) -> Callable[[BurstRequest, Reporter | None], BurstResult]:
+    """The function that runs one burst of the trainable ``name`` on this machine's devices:
+    ``runner(request, reporter=None)``."""
+    if name == REPLAY:
+        return _load("trainables.replay.burst:run_replay")
+    trainable_support(name)  # an unknown name is a clear error here
+    return functools.partial(_load("trainables.launch:run_local"), trainable=name)
+
+
+def rank_runner(name: str) -> Callable[[BurstRequest, "torch.device", Reporter | None], BurstResult]:
+    """The function that runs one rank of a burst of ``name`` once ``torch.distributed`` is up
+    (the local launcher or a Ray Train worker group starts the ranks and sets the process group up)."""
+    if name not in TRAINABLES:
+        raise AutotuneError(f"unknown trainable {name!r}; known trainables: {', '.join(TRAINABLES)}")
+    return _load(TRAINABLES[name].rank_runner)
+
+
+def _load(reference: str):
+    module, _, attribute = reference.partition(":")
+    return getattr(importlib.import_module(module), attribute)
