@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pytest
 
-from autotune.core.errors import ConfigRejected
-from autotune.rules import RULES, require_valid, violations
+from autotune.rules import RULES, violations
 from tests.conftest import cfg, make_context
 
 
@@ -122,7 +121,7 @@ CASES = [
          {"hybrid_ep": False}),
     Case("layernorm_recompute_needs_te_on_mcore_0_19", {**SELECTIVE, "recompute_modules": ["layernorm"]},
          {**SELECTIVE, "recompute_modules": ["core_attn"]}, {"transformer_engine": None}),
-    Case("llava_sequence_context_parallel_need_te", {"context_parallel_size": 2}, {},
+    Case("local_layer_specs_lack_sequence_context_parallel", {"context_parallel_size": 2}, {},
          {"transformer_engine": None}),
 ]
 
@@ -173,10 +172,19 @@ def test_layernorm_recompute_allowed_before_0_19_and_with_te() -> None:
     assert violations(config, make_context(megatron_core="0.19.2")) == []
 
 
-def test_require_valid_lists_every_violation() -> None:
+def test_every_violation_is_listed() -> None:
     config = cfg(sequence_parallel=True, moe_grouped_gemm=True)
-    with pytest.raises(ConfigRejected) as info:
-        require_valid(config, make_context(transformer_engine=None))
-    names = {v.rule for v in info.value.violations}
-    assert names == {"sequence_parallel_needs_tp", "grouped_gemm_needs_te", "llava_sequence_context_parallel_need_te"}
-    assert "[sequence_parallel_needs_tp]" in str(info.value)
+    names = {v.rule for v in violations(config, make_context(transformer_engine=None))}
+    assert names == {"sequence_parallel_needs_tp", "grouped_gemm_needs_te",
+                     "local_layer_specs_lack_sequence_context_parallel"}
+
+
+def test_sequence_and_context_parallel_rule_reads_what_the_trainable_builds() -> None:
+    """The rule follows the trainable's support (megatron-core layers), not its name."""
+    context = make_context(transformer_engine=None)
+    reason = next(v.reason for v in violations(cfg(context_parallel_size=2), context)
+                  if v.rule == "local_layer_specs_lack_sequence_context_parallel")
+    assert "TEDotProductAttention" in reason and "megatron trainable" in reason
+    native = replace(context, trainable=replace(context.trainable, megatron_core_layers=False))
+    assert "local_layer_specs_lack_sequence_context_parallel" not in {
+        v.rule for v in violations(cfg(context_parallel_size=2), native)}

@@ -53,6 +53,11 @@ class TrainableSupport:
     """``cuda_graph_scope`` elements whose local CUDA graphs capture part of a MoE layer; the
     other elements graph dense layers only. The default is megatron-core's: a MoE layer's local
     graphs hold its router with the preprocessing, or the whole MoE block, never its attention."""
+    megatron_core_layers: bool = False
+    """Its layers are megatron-core's, built from Transformer Engine layer specs where TE imports
+    and from megatron-core's local specs otherwise, so megatron-core's own limits apply: its local
+    attention has no context parallelism, its torch norms no sequence parallelism, and the stack's
+    megatron-core version bugs are its bugs."""
     fresh_process: bool = False
     """Every burst needs fresh processes (the trainable keeps process-global state, such as
     megatron-core's parallel groups and CUDA-graph records, that must not reach the next burst)."""

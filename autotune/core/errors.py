@@ -34,12 +34,3 @@ class KnobError(AutotuneError, ValueError):
         self.knob = knob
         self.message = message
         super().__init__(f"{knob}: {message}")
-
-
-class ConfigRejected(AutotuneError):
-    """A configuration that the rules engine refuses to launch; carries every violation."""
-
-    def __init__(self, violations: list) -> None:  # list[Violation]; typed loosely to avoid a cycle
-        self.violations = violations
-        lines = "; ".join(f"[{v.rule}] {v.reason}" for v in violations)
-        super().__init__(f"configuration rejected: {lines}")

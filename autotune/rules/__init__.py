@@ -4,6 +4,6 @@ Importing this package registers every rule; :data:`RULES` maps rule names to ru
 """
 
 from autotune.rules import cuda_graphs, dispatch, fsdp, parallelism, recompute, stack  # noqa: F401  (registration)
-from autotune.rules._base import RULES, Rule, RuleContext, RuleSource, Violation, require_valid, violations
+from autotune.rules._base import RULES, Rule, RuleContext, RuleSource, Violation, violations
 
-__all__ = ["RULES", "Rule", "RuleContext", "RuleSource", "Violation", "require_valid", "violations"]
+__all__ = ["RULES", "Rule", "RuleContext", "RuleSource", "Violation", "violations"]

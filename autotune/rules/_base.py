@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Callable, Literal
 
 from autotune.core.contract import StackCapabilities, TrainableSupport
-from autotune.core.errors import ConfigRejected
 from autotune.core.knobs import PER_LAYER_GRAPH_IMPLS, Config
 from autotune.core.model import ModelSpec
 
@@ -68,13 +67,6 @@ def violations(config: Config, context: RuleContext) -> list[Violation]:
         if reason is not None:
             found.append(Violation(rule=registered.name, source=registered.source, reason=reason))
     return found
-
-
-def require_valid(config: Config, context: RuleContext) -> None:
-    """Raise :class:`ConfigRejected` listing every violation, if any."""
-    found = violations(config, context)
-    if found:
-        raise ConfigRejected(found)
 
 
 # -- derived quantities rules share -----------------------------------------------------------

@@ -75,10 +75,10 @@ def _flex_backend_package(config: Config, ctx: RuleContext) -> str | None:
 )
 def _layernorm_recompute(config: Config, ctx: RuleContext) -> str | None:
     # Measured on the H200 with megatron-core 0.19.2 and no TE: the first step raises
-    # NameError: FP8GlobalStateManager (DESIGN.md §2).
+    # NameError: FP8GlobalStateManager.
     stack = ctx.stack
     if (
-        ctx.trainable.name == "megatron"
+        ctx.trainable.megatron_core_layers
         and selective(config, "layernorm")
         and stack.transformer_engine is None
         and stack.megatron_core is not None
@@ -89,13 +89,20 @@ def _layernorm_recompute(config: Config, ctx: RuleContext) -> str | None:
 
 
 @rule(
-    "llava_sequence_context_parallel_need_te",
+    "local_layer_specs_lack_sequence_context_parallel",
     source="stack",
-    summary="megatron-core's LLaVAModel asserts TE attention when SP or CP > 1",
+    summary="without Transformer Engine, megatron-core's local layer specs have no SP or CP",
 )
-def _llava_sp_cp(config: Config, ctx: RuleContext) -> str | None:
-    if ctx.trainable.name != "megatron" or ctx.stack.transformer_engine is not None:
+def _local_specs_sp_cp(config: Config, ctx: RuleContext) -> str | None:
+    if not ctx.trainable.megatron_core_layers or ctx.stack.transformer_engine is not None:
         return None
-    if config.sequence_parallel or config.context_parallel_size > 1:
-        return "LLaVAModel needs Transformer Engine attention for sequence or context parallelism"
-    return None
+    reasons = []
+    if config.context_parallel_size > 1:
+        reasons.append("its DotProductAttention asserts context_parallel_size == 1 "
+                       "(\"Context parallelism is only supported by TEDotProductAttention\")")
+    if config.sequence_parallel:
+        reasons.append("its torch norms assert sequence_parallel is off")
+    if not reasons:
+        return None
+    return f"without Transformer Engine the {ctx.trainable.name} trainable builds megatron-core's local layer specs: " \
+        + "; ".join(reasons)

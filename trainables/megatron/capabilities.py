@@ -6,4 +6,4 @@ version bugs) is decided by the stack rules from the capability probe, not here.
 
 from autotune.core.contract import TrainableSupport
 
-SUPPORT = TrainableSupport(name="megatron", requires_cuda=True, fresh_process=True)
+SUPPORT = TrainableSupport(name="megatron", requires_cuda=True, megatron_core_layers=True, fresh_process=True)
