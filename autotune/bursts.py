@@ -7,7 +7,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from autotune.core.contract import BurstRequest, BurstResult
+from autotune.core.contract import BurstRequest, BurstResult, SteadyWindow
 from autotune.core.registry import burst_runner
 from autotune.core.steady import steady_state
 
@@ -47,7 +47,7 @@ def summarize(request: BurstRequest, result: BurstResult, min_warmup: int) -> di
         "data_realism": request.data.realism,
         "benchmark_only": request.data.realism == "mock",
         "steps": len(records),
-        "evidence": result.evidence,
+        "evidence": result.evidence.model_dump(mode="json"),
         "records": [asdict(r) | {"tokens_per_second": r.tokens_per_second} for r in records],
     }
     estimate = steady_state([r.tokens_per_second for r in records], min_warmup=min_warmup) if records else None
@@ -66,7 +66,7 @@ def summarize(request: BurstRequest, result: BurstResult, min_warmup: int) -> di
             "peak_memory_bytes": max(r.peak_memory_bytes for r in window),
         }
     if result.contract is not None:
-        summary["contract"] = dict(result.contract) | {
-            "steady_window": None if estimate is None else {"first_step": estimate.warmup_steps, "steps": len(records) - estimate.warmup_steps},
-        }
+        window = None if estimate is None else SteadyWindow(first_step=estimate.warmup_steps,
+                                                            steps=len(records) - estimate.warmup_steps)
+        summary["contract"] = result.contract.model_copy(update={"steady_window": window}).to_json()
     return summary

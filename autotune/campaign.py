@@ -69,7 +69,7 @@ class HardwareSection(_Strict):
     launcher: Launcher = "auto"
     """How a trial starts its ranks. ``ray_train``: a ``TorchTrainer`` worker group (any number of
     nodes); ``local``: processes the trial spawns on its own node (one node; no per-trial worker
-    group start-up, which costs 30-36 s per trial on a 2-core box). ``auto``: ``local`` on the CPU,
+    group to start, which costs more than a whole CPU trial: the README's launcher paragraph). ``auto``: ``local`` on the CPU,
     ``ray_train`` on GPUs."""
     data_workers: int = Field(default=1, ge=0, description="DataLoader worker processes per rank.")
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy.optimize import nnls
 
-from autotune.core.knobs import Config
+from autotune.core.knobs import Config, expert_tensor_parallel
 from autotune.core.model import ModelSpec
 
 BF16 = 2
@@ -73,7 +73,7 @@ def _parameters(model: ModelSpec) -> tuple[float, float, float, float]:
 def memory_terms(config: Config, model: ModelSpec, world_size: int) -> MemoryTerms:
     tp, pp, cp = config.tensor_model_parallel_size, config.pipeline_model_parallel_size, config.context_parallel_size
     ep = config.expert_model_parallel_size
-    etp = tp if config.expert_tensor_parallel_size is None else config.expert_tensor_parallel_size
+    etp = expert_tensor_parallel(config)
     dp = max(1, world_size // (tp * pp * cp))
     expert_dp = max(1, world_size // (ep * etp * pp))
     dense, experts, vision, projector = _parameters(model)

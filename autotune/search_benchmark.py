@@ -214,19 +214,16 @@ def run_autotune(campaign: Campaign, verdict: Truth) -> Trace:
     run_dir = create_run_dir(campaign)
     with LiveView(Console(file=StringIO()), campaign.space, campaign.spec.objective) as view:
         outcome = run_campaign(campaign, run_dir, view)
-    def ratio(config: dict[str, Any]) -> float:
-        return verdict.ratio(complete_config(config))
-
     trace = Trace()
     for entry in run_dir.trials.read():
-        trace.spent += entry["device_seconds"]
-        trace.wasted += entry["device_seconds"] if entry["outcome"] in FAILED_OUTCOMES else 0.0
-        if entry["stage"] == "promote" and entry["outcome"] == "ok":
-            trace.timeline.append((trace.spent, ratio(entry["config"])))
-            if trace.reached_at is None and ratio(entry["config"]) >= REACH:
+        trace.spent += entry.device_seconds
+        trace.wasted += entry.device_seconds if entry.outcome in FAILED_OUTCOMES else 0.0
+        if entry.stage == "promote" and entry.outcome == "ok":
+            trace.timeline.append((trace.spent, verdict.ratio(entry.config)))
+            if trace.reached_at is None and verdict.ratio(entry.config) >= REACH:
                 trace.reached_at = trace.spent
     if outcome.verdict.winner is not None:  # what the user gets: the winner, once everything is spent
-        trace.timeline.append((trace.spent, ratio(outcome.verdict.winner["config"])))
+        trace.timeline.append((trace.spent, verdict.ratio(outcome.verdict.winner.config)))
     return trace
 
 

@@ -23,7 +23,8 @@ from autotune.core.knobs import complete_config
 from autotune.core.model import model_preset
 from autotune.export import load_document
 
-H200_DENSE_BF16_PEAK = 0.989e15  # DESIGN.md §3 (measured bf16 matmul here: about 0.79e15)
+H200_DENSE_BF16_PEAK = 0.989e15
+"""The H200's dense bf16 peak (NVIDIA's figure), the denominator of MFU."""
 BRING_UP = {"micro_batch_size": 1, "recompute_granularity": "full", "recompute_method": "uniform",
             "recompute_num_layers": 1, "cuda_graph_impl": "none"}
 SAFE_SCOPE = {"cuda_graph_impl": "local", "cuda_graph_scope": ["attn", "moe_router", "moe_preprocess"]}

@@ -20,7 +20,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from autotune.engine.rundir import JsonLines
+from autotune.engine.promotion import Leaderboard
+from autotune.engine.rundir import RunDir
 
 
 def main() -> None:
@@ -33,32 +34,29 @@ def main() -> None:
                        env={**os.environ, "RAY_ADDRESS": ""})
         wall = time.monotonic() - started
         (run_dir,) = Path(output).iterdir()
-        entries = list(JsonLines(run_dir / "trials.jsonl").read())
+        entries = list(RunDir(run_dir).trials.read())
         spend = json.loads((run_dir / "spend.json").read_text())
-        board = json.loads((run_dir / "leaderboard.json").read_text())
-    screened = [e for e in entries if e["stage"] == "screen"]
-    bring_up = next((e for e in screened if e["source"] == "warm_start:bring-up"), None)
-    winner = next((e for e in entries if e["stage"] == "promote" and any(
-        row["winner"] and row["trial_id"] == e["trial_id"] for row in board["rows"])), None)
+        board = Leaderboard.model_validate_json((run_dir / "leaderboard.json").read_text())
+    screened = [e for e in entries if e.stage == "screen"]
+    bring_up = next((e for e in screened if e.warm_start == "bring-up"), None)
+    winner_id = next((row.trial_id for row in board.rows if row.winner), None)
+    winner = next((e for e in entries if e.stage == "promote" and e.trial_id == winner_id), None)
     report = {
         "benchmark": "campaign_cpu",
         "command": "python bench/campaign_cpu.py",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
         "wall_seconds": wall,
-        "screening": {"launched": sum(e["launched"] for e in screened), "outcomes": Counter(e["outcome"] for e in screened)},
-        "promoted": len([e for e in entries if e["stage"] == "promote"]),
-        "verdict": board["verdict"],
+        "screening": {"launched": sum(e.launched for e in screened), "outcomes": Counter(e.outcome for e in screened)},
+        "promoted": len([e for e in entries if e.stage == "promote"]),
+        "verdict": board.verdict,
         "spend": spend,
         "objective": "useful_tokens_per_s_per_gpu",
-        "bring_up_screen": None if bring_up is None else {"objective": bring_up["objective"], "outcome": bring_up["outcome"]},
-        "winner": None if winner is None else {
-            "config": winner["config"], "objective": winner["objective"], "estimate": winner["estimate"],
-            "contract": winner["contract"],
-        },
+        "bring_up_screen": None if bring_up is None else {"objective": bring_up.objective, "outcome": bring_up.outcome},
+        "winner": None if winner is None else winner.to_json(),
     }
-    if winner is not None and bring_up is not None and bring_up["objective"]:
-        report["winner_over_bring_up"] = winner["objective"] / bring_up["objective"]
+    if winner is not None and bring_up is not None and bring_up.objective:
+        report["winner_over_bring_up"] = winner.objective / bring_up.objective
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2, default=str) + "\n")
     print(f"{wall:.0f} s · screening {dict(report['screening']['outcomes'])} · {report['verdict']}"

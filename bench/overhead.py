@@ -53,7 +53,8 @@ MBS = list(range(1, 13))
 TIMED = {
     tune_roles.StudySearcher: ("suggest", "on_trial_complete"),
     tune_roles.ListSearcher: ("suggest", "on_trial_complete"),
-    tune_roles.ScreeningScheduler: ("on_trial_result", "on_trial_error"),
+    tune_roles.ScreeningScheduler: ("on_trial_result",),
+    tune_roles.RecordingCallback: ("on_trial_start", "on_trial_result"),
     tune_roles.BudgetStopper: ("__call__", "stop_all"),
     tune_roles.HangWatchdog: ("on_step_end",),
     tune_roles.ViewCallback: ("on_trial_start", "on_trial_result", "on_trial_complete", "on_trial_error"),
@@ -129,18 +130,17 @@ def main() -> None:
             cluster.shutdown()
         entries = list(run_dir.trials.read())
         steps = list(run_dir.steps.read())
-    launched = [e for e in entries if e["launched"]]
-    screened = [e for e in launched if e["stage"] == "screen"]
-    missing = [e["trial_id"] for e in launched if e["steps"] and
-               sum(1 for s in steps if s["trial_id"] == e["trial_id"]) != e["steps"]]
+    launched = [e for e in entries if e.launched]
+    screened = [e for e in launched if e.stage == "screen"]
+    missing = [e.trial_id for e in launched if e.steps and sum(1 for s in steps if s.trial_id == e.trial_id) != e.steps]
     if len(screened) != TRIALS or missing:
         raise SystemExit(f"records missing: {len(screened)} of {TRIALS} screening trials, steps short for {missing}")
     overhead, overhead_cpu = sum(spent.values()), sum(spent_cpu.values())
-    device_seconds = sum(e["device_seconds"] for e in launched)
+    device_seconds = sum(e.device_seconds for e in launched)
     recorded_wall = device_seconds / 2 / AT_ONCE  # 2 devices a trial, 16 trials at a time
     result = {
         "trials_launched": len(launched), "screening_trials": len(screened), "rejected_before_launch": len(entries) - len(launched),
-        "concurrency": AT_ONCE, "outcomes": Counter(e["outcome"] for e in launched),
+        "concurrency": AT_ONCE, "outcomes": Counter(e.outcome for e in launched),
         "wall_seconds": wall, "tuner_overhead_seconds": overhead,
         "tuner_overhead_share_of_wall": overhead / wall,
         "tuner_overhead_ms_per_trial": 1000 * overhead / len(launched),

@@ -62,7 +62,7 @@ def run_seed(seed: int) -> dict:
         return "repeat_of" in trial.user_attrs
 
     def sampled(trial: optuna.trial.FrozenTrial) -> bool:
-        return "source" not in trial.user_attrs
+        return "origin" not in trial.user_attrs
 
     after_repeat = [later for earlier, later in zip(trials, trials[1:]) if repeat(earlier) and sampled(later)]
     return {

@@ -75,7 +75,7 @@ def main() -> None:
                 peak_memory_gib=max(r.peak_memory_bytes for r in result.records) / GIB if steps else None,
                 startup_seconds=max(0.0, wall - sum(steps)),
                 error=None if result.error is None else result.error[-2000:],
-                contract=(result.contract or {}) | {
+                contract=(result.contract.to_json() if result.contract else {}) | {
                     "trainable": campaign.spec.trainable,
                     "world_size": request.world_size,
                     "space": campaign.space.name,

@@ -16,7 +16,8 @@ from autotune.core.knobs import Config, complete_config
 from autotune.core.model import model_preset
 from autotune.core.registry import trainable_support
 from autotune.core.tables import RecordedBurst, append_row
-from autotune.engine.rundir import JsonLines
+from autotune.engine.records import TrialEntry
+from autotune.engine.rundir import RunDir
 from autotune.rules import RuleContext
 from trainables.probe import probe
 
@@ -152,8 +153,8 @@ def only_run_dir(folder: Path) -> Path:
     return run_dir
 
 
-def entries(run_dir: Path) -> list[dict]:
-    return list(JsonLines(run_dir / "trials.jsonl").read())
+def entries(run_dir: Path) -> list[TrialEntry]:
+    return list(RunDir(run_dir).trials.read())
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from autotune.engine.rundir import JsonLines
+from autotune.engine.rundir import RunDir
 from conftest import OOM_CAP_GIB, OOM_SPACE, campaign_file
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,7 +50,7 @@ def test_job_submit_runs_a_campaign_and_writes_its_outputs(local_head, tmp_path)
     result = submit("python", "-m", "autotune", "run", str(path), token=True)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     (run_dir,) = (tmp_path / "runs").iterdir()
-    outcomes = [entry["outcome"] for entry in JsonLines(run_dir / "trials.jsonl").read()]
+    outcomes = [entry.outcome for entry in RunDir(run_dir).trials.read()]
     assert outcomes.count("oom") == 1 and "oom_predicted" in outcomes
     assert (run_dir / "study.journal").is_file() and (run_dir / "spend.json").is_file()
     assert "no winner" in result.stdout and str(run_dir) in result.stdout

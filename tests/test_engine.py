@@ -10,15 +10,21 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
 
+from autotune.core.contract import Evidence
 from autotune.core.knobs import KNOBS, complete_config, parse_bridge_overrides, parse_megatron_lm_args
+from autotune.core.steady import SteadyEstimate
 from autotune.engine.promotion import decide, projected_headroom, promotion_candidates
-from autotune.engine.rundir import JsonLines
+from autotune.engine.records import TrialEntry
+from autotune.engine.rundir import RunDir
 from autotune.export import FORMATS, load_document, render
-from conftest import OOM_CAP_GIB, OOM_SPACE, TEST_MODEL, autotune, campaign_file, entries, only_run_dir
+from conftest import (
+    OOM_CAP_GIB, OOM_SPACE, REPLAY_SPACE, TEST_MODEL, autotune, campaign_file, entries, only_run_dir,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -28,15 +34,15 @@ def test_campaign_writes_every_output(campaign_run) -> None:
                  "winner.yaml", "spend.json", "probe.json", "report.html"):
         assert (run_dir / name).is_file(), name
     records = entries(run_dir)
-    launched = [e for e in records if e["launched"]]
-    assert len([e for e in launched if e["stage"] == "screen" and e["space"] == "engine_test"]) == 4
-    steps = list(JsonLines(run_dir / "steps.jsonl").read())
+    launched = [e for e in records if e.launched]
+    assert len([e for e in launched if e.stage == "screen" and e.space == "engine_test"]) == 4
+    steps = list(RunDir(run_dir).steps.read())
     for entry in launched:  # every step each trial reported is on record, with the contract
-        assert len([s for s in steps if s["trial_id"] == entry["trial_id"]]) == entry["steps"]
-        if entry["outcome"] in ("ok", "pruned"):
-            assert entry["contract"]["data"]["realism"] == "real" and entry["contract"]["steady_window"]
+        assert len([s for s in steps if s.trial_id == entry.trial_id]) == entry.steps
+        if entry.outcome in ("ok", "pruned"):
+            assert entry.contract.data.realism == "real" and entry.contract.steady_window
     spend = json.loads((run_dir / "spend.json").read_text())
-    assert spend["total"] == pytest.approx(sum(e["device_seconds"] for e in records))
+    assert spend["total"] == pytest.approx(sum(e.device_seconds for e in records))
     assert "winner" in result.stdout and str(run_dir) in result.stdout
     # steps.jsonl is the record: Tune's loggers write no copies (TensorBoard's fsync each result)
     assert not [p.name for p in (run_dir / "ray").rglob("*") if p.name.startswith(("events.out", "progress.csv", "result.json"))]
@@ -45,33 +51,57 @@ def test_campaign_writes_every_output(campaign_run) -> None:
 
 def test_ep2_trial_runs_on_two_gloo_ranks_with_evidence(campaign_run) -> None:
     run_dir, _ = campaign_run
-    (ep2,) = [e for e in entries(run_dir) if e["stage"] == "screen" and e["source"] == "warm_start:fast-ep2"]
-    assert ep2["outcome"] == "ok", ep2["reason"]
-    assert ep2["evidence"]["ep_group_size"] == 2
-    assert ep2["evidence"]["local_experts_per_moe_layer"] == TEST_MODEL["num_moe_experts"] // 2
-    assert ep2["contract"]["hardware"]["world_size"] == 2 and ep2["contract"]["shapes"]["expert_parallel"] == 2
+    (ep2,) = [e for e in entries(run_dir) if e.stage == "screen" and e.warm_start == "fast-ep2"]
+    assert ep2.outcome == "ok", ep2.reason
+    assert ep2.evidence.ep_group_size == 2
+    assert ep2.evidence.local_experts_per_moe_layer == TEST_MODEL["num_moe_experts"] // 2
+    assert ep2.contract.hardware.world_size == 2 and ep2.contract.shapes.expert_parallel == 2
 
 
-def test_a_clearly_worse_config_is_pruned_with_its_partial_estimate(campaign_run) -> None:
-    run_dir, _ = campaign_run
-    by_source = {e["source"]: e for e in entries(run_dir) if e["stage"] == "screen" and e["space"] == "engine_test"}
-    fast, slow = by_source["warm_start:fast-ep2"], by_source["warm_start:bring-up"]
-    assert slow["outcome"] == "pruned", slow["reason"]
-    assert slow["steps"] < 16 and slow["estimate"]["ci_high"] < fast["estimate"]["ci_low"]
-    assert "below the best's lower bound" in slow["reason"]
+def test_a_clearly_worse_config_is_pruned_with_its_partial_estimate(small_table, ray_local, tmp_path) -> None:
+    """On a replayed table (the same steps every run): the slow warm start screened after the fast
+    one is stopped once its interval's upper bound is below the fast one's lower bound."""
+    from dataclasses import replace
+    from io import StringIO
+
+    from rich.console import Console
+
+    from autotune.campaign import load_campaign
+    from autotune.engine.driver import run_campaign
+    from autotune.engine.live import LiveView
+    from autotune.engine.rundir import create_run_dir
+
+    space = REPLAY_SPACE | {"warm_start": [
+        {"name": "fast", "config": {"micro_batch_size": 4, "freeze_vision_model": True}},
+        {"name": "slow", "config": {"micro_batch_size": 1}},
+    ]}
+    (tmp_path / "prune").mkdir()
+    campaign = replace(load_campaign(campaign_file(tmp_path / "prune", max_trials=2, space=space)),
+                       replay_table=small_table)
+    run_dir = create_run_dir(campaign)
+    with LiveView(Console(file=StringIO()), campaign.space, campaign.spec.objective) as view:
+        run_campaign(campaign, run_dir, view)
+    screens = {e.warm_start: e for e in run_dir.trials.read() if e.stage == "screen"}
+    fast, slow = screens["fast"], screens["slow"]
+    assert fast.outcome == "ok" and slow.outcome == "pruned", slow.reason
+    assert 5 < slow.steps < 16 and slow.estimate.ci_high < fast.estimate.ci_low * (1 - 0.15)
+    assert "below the best's lower bound" in slow.reason and slow.objective == slow.estimate.mean
+    steps = [s for s in run_dir.steps.read() if s.trial_id == slow.trial_id]
+    assert [s.record.step for s in steps] == list(range(slow.steps))  # every step it ran, recorded
 
 
 def test_promotion_runs_fifty_steps_and_the_verdict_reads_the_intervals(campaign_run) -> None:
     run_dir, _ = campaign_run
-    promoted = [e for e in entries(run_dir) if e["stage"] == "promote" and e["space"] == "engine_test"]
-    assert len(promoted) == 2 and all(e["steps"] == 50 and e["outcome"] == "ok" for e in promoted)
-    assert all(all(e["evidence"]["checks"].values()) for e in promoted)
-    everything = [e for e in entries(run_dir) if e["stage"] == "promote"]  # both spaces: one verdict
+    promoted = [e for e in entries(run_dir) if e.stage == "promote" and e.space == "engine_test"]
+    assert len(promoted) == 2 and all(e.steps == 50 and e.outcome == "ok" for e in promoted)
+    assert all(all(e.evidence.checks.values()) for e in promoted)
+    assert {e.promoted_from for e in promoted} <= {e.trial_id for e in entries(run_dir) if e.stage == "screen"}
+    everything = [e for e in entries(run_dir) if e.stage == "promote"]  # both spaces: one verdict
     board = json.loads((run_dir / "leaderboard.json").read_text())
     (winner_row,) = [row for row in board["rows"] if row["winner"]]
-    best = max(everything, key=lambda e: e["objective"])
-    assert winner_row["config"] == best["config"]
-    overlap = any(e["estimate"]["ci_high"] >= best["estimate"]["ci_low"] for e in everything if e is not best)
+    best = max(everything, key=lambda e: e.objective)
+    assert winner_row["config"] == best.config.to_plain()
+    overlap = any(e.estimate.ci_high >= best.estimate.ci_low for e in everything if e is not best)
     assert ("tied" in board["verdict"]) == overlap
 
 
@@ -92,19 +122,19 @@ def test_winner_exports_round_trip_through_the_registry(campaign_run) -> None:
 def test_workflow_tunes_the_next_space_when_its_projected_headroom_is_large(campaign_run) -> None:
     run_dir, result = campaign_run
     assert "engine_test_next: projected headroom" in result.stdout
-    launched = [e for e in entries(run_dir) if e["launched"]]
-    assert {(e["space"], e["stage"]) for e in launched} == {
+    launched = [e for e in entries(run_dir) if e.launched]
+    assert {(e.space, e.stage) for e in launched} == {
         ("engine_test", "screen"), ("engine_test", "promote"), ("engine_test_next", "screen"), ("engine_test_next", "promote")}
-    assert all(e["model_tflops_per_s_per_gpu"] > 0 for e in launched if e["outcome"] == "ok")
+    assert all(e.model_tflops_per_s_per_gpu > 0 for e in launched if e.outcome == "ok")
     board = json.loads((run_dir / "leaderboard.json").read_text())
     assert {row["space"] for row in board["rows"]} == {"engine_test", "engine_test_next"}  # one verdict over both
     assert (run_dir / "then_space.yaml").is_file()
 
 
 def test_projected_headroom_is_the_reachable_rate_over_the_promoted_best() -> None:
-    promoted = [entry("a", "promote", 10.0) | {"model_tflops_per_s_per_gpu": 400.0},
-                entry("b", "promote", 12.0) | {"model_tflops_per_s_per_gpu": 470.0},
-                entry("c", "promote", None, outcome="oom") | {"model_tflops_per_s_per_gpu": None}]
+    promoted = [entry("a", "promote", 10.0, model_tflops_per_s_per_gpu=400.0),
+                entry("b", "promote", 12.0, model_tflops_per_s_per_gpu=470.0),
+                entry("c", "promote", None, outcome="oom")]
     assert projected_headroom(promoted, 440.0) == pytest.approx(440 / 470 - 1)  # the seed: 3D does not pay
     assert projected_headroom(promoted[2:], 440.0) is None
 
@@ -115,10 +145,10 @@ def test_an_oom_is_recorded_once_and_configs_that_need_more_memory_never_launch(
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     assert "no winner" in result.stdout
     records = entries(only_run_dir(tmp_path))
-    ooms = [e for e in records if e["outcome"] == "oom"]
-    assert len(ooms) == 1 and ooms[0]["config"]["micro_batch_size"] == 1 and "can't allocate memory" in ooms[0]["reason"]
-    predicted = [e for e in records if e["outcome"] == "oom_predicted"]
-    assert predicted and all(not e["launched"] and e["device_seconds"] == 0 for e in predicted)
+    ooms = [e for e in records if e.outcome == "oom"]
+    assert len(ooms) == 1 and ooms[0].config.micro_batch_size == 1 and "can't allocate memory" in ooms[0].reason
+    predicted = [e for e in records if e.outcome == "oom_predicted"]
+    assert predicted and all(not e.launched and e.device_seconds == 0 and e.cause == "oom_dominance" for e in predicted)
     import optuna
 
     from autotune.search.proposer import journal_storage
@@ -136,7 +166,7 @@ def test_resume_after_sigkill_keeps_every_finished_trial(tmp_path, cache_env) ->
     run_dir = None
     while time.monotonic() < deadline:
         runs = list((tmp_path / "runs").glob("*/trials.jsonl"))
-        if runs and any(e["launched"] for e in JsonLines(runs[0]).read()):
+        if runs and any(e.launched for e in RunDir(runs[0].parent).trials.read()):
             run_dir = runs[0].parent
             break
         assert driver.poll() is None, "the campaign ended before it could be killed"
@@ -150,20 +180,28 @@ def test_resume_after_sigkill_keeps_every_finished_trial(tmp_path, cache_env) ->
     after = (run_dir / "trials.jsonl").read_text()
     assert after.startswith(before)  # appended to, never rewritten
     records = entries(run_dir)
-    screened = [e for e in records if e["launched"] and e["stage"] == "screen"]
+    screened = [e for e in records if e.launched and e.stage == "screen"]
     assert len(screened) == 2  # the budget counts the trials finished before the kill
-    assert len({json.dumps(e["config"], sort_keys=True) for e in screened}) == 2  # none re-run
+    assert len({e.config for e in screened}) == 2  # none re-run
     assert (run_dir / "winner.yaml").is_file()
 
 
 # -- the deciding parts on their own ---------------------------------------------------------------
 
-def entry(trial_id: str, stage: str, objective: float | None, ci: float = 1.0, outcome: str = "ok", **config) -> dict:
-    values = complete_config({"micro_batch_size": 1, **config}).to_plain()
-    estimate = None if objective is None else {"ci_low": objective - ci, "ci_high": objective + ci, "window": 20}
-    return {"trial_id": trial_id, "stage": stage, "space": "s", "launched": True, "outcome": outcome, "objective": objective,
-            "estimate": estimate, "config": values, "evidence": {"checks": {"recompute_granularity": True}},
-            "benchmark_only": False, "reason": ""}
+def entry(trial_id: str, stage: str, objective: float | None, ci: float = 1.0, outcome: str = "ok",
+          checks: bool = True, **fields) -> TrialEntry:
+    """A finished trial's entry; ``fields`` are knobs, or entry fields where the name is one."""
+    config = {k: v for k, v in fields.items() if k not in TrialEntry.model_fields}
+    estimate = None if objective is None else SteadyEstimate(
+        warmup_steps=3, window=20, outliers=0, mean=objective, median=objective, ci_low=objective - ci,
+        ci_high=objective + ci, confidence=0.95, relative_half_width=ci / objective, converged=False)
+    return TrialEntry(trial_id=trial_id, stage=stage, space="s", number=None,
+                      origin="sampler" if stage == "screen" else "promotion",
+                      config=complete_config({"micro_batch_size": 1, **config}), launched=True, outcome=outcome,
+                      reason="", objective=objective, estimate=estimate,
+                      evidence=Evidence(checks={"recompute_granularity": checks}), device_seconds=1.0,
+                      finished_at=datetime.now(timezone.utc),
+                      **{k: v for k, v in fields.items() if k in TrialEntry.model_fields})
 
 
 def test_promotion_takes_the_best_distinct_configs_within_reach_and_skips_promoted_ones() -> None:
@@ -171,26 +209,26 @@ def test_promotion_takes_the_best_distinct_configs_within_reach_and_skips_promot
                entry("c", "screen", 30.5, micro_batch_size=2), entry("d", "screen", 20.0, ci=9.0, micro_batch_size=4),
                entry("e", "screen", None, outcome="oom", micro_batch_size=8)]
     chosen = promotion_candidates(records, 2, "s", margin=0.02)
-    assert [c.micro_batch_size for c, _ in chosen] == [2, 4]
+    assert [(c.config.micro_batch_size, c.promoted_from, c.origin) for c in chosen] == [(2, "c", "promotion"),
+                                                                                      (4, "d", "promotion")]
     records.append(entry("p", "promote", 31.0, micro_batch_size=2))
-    assert [c.micro_batch_size for c, _ in promotion_candidates(records, 2, "s", margin=0.02)] == [4]
+    assert [c.config.micro_batch_size for c in promotion_candidates(records, 2, "s", margin=0.02)] == [4]
     assert promotion_candidates(records, 2, "another space", margin=0.02) == []
     # d's screen (20 +- 5) cannot reach the best's lower bound (29.5) less 2 %: no long run confirms it
     records[3] = entry("d", "screen", 20.0, ci=5.0, micro_batch_size=4)
-    assert [c.micro_batch_size for c, _ in promotion_candidates(records[:-1], 3, "s", margin=0.02)] == [2]
+    assert [c.config.micro_batch_size for c in promotion_candidates(records[:-1], 3, "s", margin=0.02)] == [2]
 
 
 def test_verdict_ties_overlapping_intervals_and_rules_out_contradicted_evidence() -> None:
     clear = decide([entry("a", "promote", 100.0, micro_batch_size=1), entry("b", "promote", 90.0, micro_batch_size=2)])
-    assert clear.winner["trial_id"] == "a" and not clear.tied and "beyond their intervals" in clear.summary
+    assert clear.winner.trial_id == "a" and not clear.tied and "beyond their intervals" in clear.summary
     tied = decide([entry("a", "promote", 100.0, ci=6.0), entry("b", "promote", 90.0, ci=6.0, micro_batch_size=2)])
-    assert tied.winner["trial_id"] == "a" and [e["trial_id"] for e in tied.tied] == ["b"]
-    lying = entry("a", "promote", 100.0)
-    lying["evidence"]["checks"]["recompute_granularity"] = False
-    mock = entry("m", "promote", 500.0, micro_batch_size=4) | {"benchmark_only": True}
+    assert tied.winner.trial_id == "a" and [e.trial_id for e in tied.tied] == ["b"]
+    lying = entry("a", "promote", 100.0, checks=False)
+    mock = entry("m", "promote", 500.0, micro_batch_size=4, benchmark_only=True)
     verdict = decide([lying, mock, entry("b", "promote", 90.0, micro_batch_size=2)])
-    assert verdict.winner["trial_id"] == "b"
-    assert {e["trial_id"] for e, _ in verdict.disqualified} == {"a", "m"}
+    assert verdict.winner.trial_id == "b"
+    assert {e.trial_id for e, _ in verdict.disqualified} == {"a", "m"}
 
 
 def test_ray_train_launcher_runs_an_ep2_burst_on_a_two_worker_group(tmp_path, photo_shards) -> None:
@@ -200,7 +238,7 @@ def test_ray_train_launcher_runs_an_ep2_burst_on_a_two_worker_group(tmp_path, ph
 
     from autotune.core.contract import BurstRequest, DataSpec
     from autotune.core.model import model_preset
-    from autotune.engine.trial import TrialJob, read_result, run_trial
+    from autotune.engine.trial import EndEvent, StepEvent, TrialJob, read_result, run_trial
 
     request = BurstRequest(config=complete_config({}), model=model_preset("cpu_tiny_moe_vlm", TEST_MODEL),
                            data=DataSpec(str(photo_shards)), steps=3, world_size=2, data_workers=0)
@@ -218,21 +256,23 @@ def test_ray_train_launcher_runs_an_ep2_burst_on_a_two_worker_group(tmp_path, ph
         ray.shutdown()
     history = results[0].metrics_dataframe
     events = [read_result(row) for row in history.to_dict("records")]
-    steps = [payload for event, payload in events if event == "step"]
-    (end,) = [payload for event, payload in events if event == "end"]
-    assert end["outcome"] == "ok", end["error"]
-    assert len(steps) == 3 and steps[0]["contract"]["hardware"]["world_size"] == 2
-    assert end["evidence"]["ep_group_size"] == 2 and end["evidence"]["checks"]["expert_model_parallel_size"]
+    steps = [event for event in events if isinstance(event, StepEvent)]
+    (end,) = [event for event in events if isinstance(event, EndEvent)]
+    assert end.outcome == "ok", end.error
+    assert len(steps) == 3 and steps[0].contract.hardware.world_size == 2
+    assert [r.step for r in (event.record for event in steps)] == [0, 1, 2]
+    assert {worker.node_id for worker in steps[0].contract.workers} and len(steps[0].contract.workers) == 2
+    assert end.evidence.ep_group_size == 2 and end.evidence.checks["expert_model_parallel_size"]
 
 
 class _Screens:
     """The part of the ledger a budget reads: the launched screens of a space, in finishing order."""
 
-    def __init__(self, records: list[dict]) -> None:
+    def __init__(self, records: list[TrialEntry]) -> None:
         self.records, self.live = records, {}
 
-    def launched(self, stage: str, space: str | None = None) -> list[dict]:
-        return [e for e in self.records if e["stage"] == stage and space in (None, e["space"])]
+    def launched(self, stage: str, space: str | None = None) -> list[TrialEntry]:
+        return [e for e in self.records if e.stage == stage and space in (None, e.space)]
 
 
 def test_patience_ends_screening_after_that_many_screens_in_a_row_find_nothing_faster(tmp_path) -> None:
@@ -253,7 +293,7 @@ def test_patience_ends_screening_after_that_many_screens_in_a_row_find_nothing_f
     assert budget.plateaued() == "3 screens in a row found nothing faster than the best (patience 3)"
     records[-1] = entry("e", "screen", 31.0, recompute_granularity="full")  # faster: the count starts again
     assert budget.plateaued() is None
-    lost = entry("f", "screen", None, outcome="failed", micro_batch_size=2) | {"reason": "node_lost: node died"}
+    lost = entry("f", "screen", None, outcome="failed", micro_batch_size=2, cause="node_lost")
     records.extend([lost, lost, lost])  # the cluster failed, not the search: not counted
     assert budget.plateaued() is None
 
@@ -262,19 +302,20 @@ def test_the_ledger_keeps_the_best_screen_and_the_spend_as_entries_arrive(tmp_pa
     """The scheduler asks for the best screen at every step and the stopper for the spend on every
     loop: both are kept as entries arrive, read back on resume and added to by later entries."""
     from autotune.engine.ledger import Ledger
-    from autotune.engine.rundir import RunDir
-    from autotune.search.proposer import Rejection
+    from autotune.search.history import Proposal, Rejection
 
     run_dir = RunDir(tmp_path)
     records = [entry("a", "screen", 10.0), entry("b", "screen", 30.0, micro_batch_size=2),
                entry("c", "promote", 50.0, micro_batch_size=2), entry("d", "screen", 40.0, outcome="pruned"),
                entry("e", "screen", 30.0, micro_batch_size=4), entry("f", "screen", None, outcome="oom")]
     for seconds, record in enumerate(records, start=1):
-        run_dir.trials.append(record | {"device_seconds": float(seconds)})
+        run_dir.trials.append(record.model_copy(update={"device_seconds": float(seconds)}))
     ledger = Ledger(run_dir, world_size=2, warmup_steps=1, target_relative_half_width=0.02, benchmark_only=False)
-    assert ledger.best_entry()["trial_id"] == "b"  # screens that ran only; the first of equals
+    assert ledger.best_entry().trial_id == "b"  # screens that ran only; the first of equals
     assert ledger.device_seconds() == 21.0
-    ledger.reject(Rejection(7, complete_config({"micro_batch_size": 8}), "invalid", "a rule"), "s")
+    proposal = Proposal(7, complete_config({"micro_batch_size": 8}), "frontier")
+    ledger.reject(Rejection(proposal, "invalid", "rules", "a rule"), "s")
     assert ledger.device_seconds() == 21.0 and len(ledger.entries) == 7
+    assert ledger.entries[-1].origin == "frontier" and ledger.entries[-1].cause == "rules"
     assert Ledger(run_dir, world_size=2, warmup_steps=1, target_relative_half_width=0.02,
                   benchmark_only=False).best_entry() == ledger.best_entry()

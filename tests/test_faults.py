@@ -95,14 +95,14 @@ def test_a_trial_that_stops_reporting_is_killed_recorded_hung_and_its_slots_free
     run_dir = create_run_dir(campaign)
     with LiveView(Console(file=StringIO()), campaign.space, campaign.spec.objective) as view:
         run_campaign(campaign, run_dir, view)
-    launched = [entry for entry in run_dir.trials.read() if entry["launched"]]
-    hung = [entry for entry in launched if entry["outcome"] == "hung"]
-    assert hung and all(entry["config"]["micro_batch_size"] < 4 for entry in hung)
-    assert all("watchdog" in entry["reason"] and entry["steps"] == 0 for entry in hung)
+    launched = [entry for entry in run_dir.trials.read() if entry.launched]
+    hung = [entry for entry in launched if entry.outcome == "hung"]
+    assert hung and all(entry.config.micro_batch_size < 4 for entry in hung)
+    assert all(entry.cause == "watchdog" and "watchdog" in entry.reason and entry.steps == 0 for entry in hung)
     # the slots came back: every screening trial ran, and the best of the rest was promoted
-    screened = [entry for entry in launched if entry["stage"] == "screen"]
+    screened = [entry for entry in launched if entry.stage == "screen"]
     assert len(screened) == campaign.spec.budget.max_trials
-    assert any(entry["stage"] == "promote" and entry["outcome"] == "ok" for entry in launched)
+    assert any(entry.stage == "promote" and entry.outcome == "ok" for entry in launched)
 
 
 @pytest.fixture
@@ -158,26 +158,27 @@ def test_a_trial_whose_node_dies_is_recorded_node_lost_and_runs_once_more_elsewh
     driver.join(timeout=600)
     assert finished == [None], finished
 
-    launched = [entry for entry in run_dir.trials.read() if entry["launched"]]
-    lost = [entry for entry in launched if entry["reason"].startswith("node_lost")]
-    assert len(lost) == 1 and lost[0]["outcome"] == "failed"
-    again = [entry for entry in launched if entry["source"].endswith("again after node_lost")]
-    assert len(again) == 1 and again[0]["config"] == lost[0]["config"] and again[0]["outcome"] == "ok"
+    launched = [entry for entry in run_dir.trials.read() if entry.launched]
+    lost = [entry for entry in launched if entry.cause == "node_lost"]
+    assert len(lost) == 1 and lost[0].outcome == "failed" and lost[0].reason.startswith("node lost: ")
+    again = [entry for entry in launched if entry.retry_of is not None]
+    assert len(again) == 1 and again[0].retry_of == lost[0].trial_id and again[0].outcome == "ok"
+    assert (again[0].config, again[0].number, again[0].origin) == (lost[0].config, lost[0].number, lost[0].origin)
     others = [entry for entry in launched if entry not in lost]
-    assert others and all(entry["outcome"] in ("ok", "pruned", "oom") for entry in others)
-    screened = [entry for entry in launched if entry["stage"] == "screen"]
+    assert others and all(entry.outcome in ("ok", "pruned", "oom") for entry in others)
+    screened = [entry for entry in launched if entry.stage == "screen"]
     assert len(screened) == campaign.spec.budget.max_trials + 1  # the lost trial's retry comes on top
 
 
 def test_only_a_dead_node_reads_as_node_lost() -> None:
-    from autotune.engine.faults import node_lost_reason
+    from autotune.engine.faults import node_lost
 
     worker_lost = ("Ray Train: TrainingFailedError: worker group failed\nActorDiedError: The actor died unexpectedly\n"
                    "The actor died because its node has died. Node Id: 9c71a3")
-    assert node_lost_reason(worker_lost).startswith("node_lost: The actor died because its node has died")
-    assert node_lost_reason(RuntimeError("collective failed")) is None
-    assert node_lost_reason("OutOfMemoryError: CUDA out of memory") is None
-    assert node_lost_reason(None) is None
+    assert node_lost(worker_lost).startswith("node lost: The actor died because its node has died")
+    assert node_lost(RuntimeError("collective failed")) is None
+    assert node_lost("OutOfMemoryError: CUDA out of memory") is None
+    assert node_lost(None) is None
 
 
 @pytest.fixture
@@ -229,9 +230,10 @@ def test_a_worker_group_that_loses_a_node_under_a_living_trial_is_node_lost_and_
     driver.join(timeout=600)
     assert finished == [None], finished
 
-    launched = [entry for entry in run_dir.trials.read() if entry["launched"]]
-    lost = [entry for entry in launched if entry["reason"].startswith("node_lost")]
-    assert len(lost) == 1 and lost[0]["outcome"] == "failed", [(e["outcome"], e["reason"]) for e in launched]
-    again = [entry for entry in launched if entry["source"].endswith("again after node_lost")]
-    assert len(again) == 1 and again[0]["config"] == lost[0]["config"] and again[0]["outcome"] == "oom"
+    launched = [entry for entry in run_dir.trials.read() if entry.launched]
+    lost = [entry for entry in launched if entry.cause == "node_lost"]
+    assert len(lost) == 1 and lost[0].outcome == "failed", [(e.outcome, e.reason) for e in launched]
+    again = [entry for entry in launched if entry.retry_of is not None]
+    assert len(again) == 1 and again[0].retry_of == lost[0].trial_id and again[0].outcome == "oom"
+    assert again[0].config == lost[0].config
     assert len(launched) == 2  # the budget's one trial, and its retry on top

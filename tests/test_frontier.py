@@ -74,7 +74,7 @@ def test_the_proposer_walks_the_frontier_after_the_warm_starts_and_then_samples(
     runs = []
     for _ in range(12):
         proposal = proposer.propose()
-        runs.append((proposal.source, proposal.config))
+        runs.append((proposal.origin if proposal.warm_start is None else f"warm_start:{proposal.warm_start}", proposal.config))
         if memory_gib(proposal.config) > 20.0:
             proposer.complete(proposal, "oom", None, cost_seconds=1.0)
         else:
@@ -86,7 +86,7 @@ def test_the_proposer_walks_the_frontier_after_the_warm_starts_and_then_samples(
     # The incumbent after the warm starts is selective-safe-scope (local graphs). Its most saving
     # config at MBS 8, full recompute, is one megatron-core refuses with local graphs: told to the
     # study before launch, and the walk takes the next saving at MBS 8, which fits (13.1 GiB).
-    assert proposer.rejected[at(8, "full", graphs="local")][0] == "invalid"
+    assert proposer.history.rejected[at(8, "full", graphs="local")][0] == "invalid"
     assert walk[0] == at(8, "selective", "core_attn", "moe", graphs="local")
     # Relaxing to a single module needs 20.4 GiB: both options run out of memory, the walk ends,
     # and "none" (dominated by those OOMs) is never launched.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import warnings
+import zlib
 from pathlib import Path
 
 import pytest
@@ -19,8 +20,8 @@ pytest.importorskip("megatron.core", reason="needs the `megatron` extra (megatro
 from autotune.core.knobs import KNOBS, Config, complete_config  # noqa: E402
 from autotune.rules import RULES, violations  # noqa: E402
 from autotune.space import load_space, target_context  # noqa: E402
-from tests.conftest import make_context  # noqa: E402
-from tests.test_rules import CASES  # noqa: E402
+from conftest import make_context  # noqa: E402
+from test_rules import CASES  # noqa: E402
 from trainables.megatron.config_mapping import (  # noqa: E402
     build_ddp_config,
     build_transformer_config,
@@ -113,7 +114,8 @@ def test_megatron_rejections_are_caught_by_our_rules_first(variant: str) -> None
     context = make_context(world_size=8, model_overrides=MODEL_VARIANTS[variant], megatron_core=MCORE)
     rejected_by_megatron = 0
     missed = []
-    for config in _adversarial_configs(seed=hash(variant) % 1000, count=600):
+    # zlib.crc32, not hash(): string hashes are salted per process, so the sample would change every run
+    for config in _adversarial_configs(seed=zlib.crc32(variant.encode()) % 1000, count=600):
         reason = megatron_rejects(config, context.model)
         if reason is None:
             continue

@@ -110,6 +110,41 @@ def test_burst_without_cuda_is_invalid_with_the_reason(photo_shards: Path) -> No
     assert "CUDA" in result.error
 
 
+def test_the_end_of_a_step_evidence_and_contract_on_one_rank(model_parallel, photo_shards: Path) -> None:
+    """What follows megatron-core's forward-backward, on one CPU rank (the GPU test runs it for
+    real): the only rank counts the batches and reports the loss, and the evidence and contract
+    carry the keys a megatron burst writes."""
+    from trainables.data.loader import rank_loader
+    from trainables.megatron.burst import MegatronRun, _local_measures
+    from trainables.steps import count_batches, finish_step
+
+    spec, vlm = build_on_meta("cpu_tiny_moe_vlm")
+    request = BurstRequest(config=complete_config({}), model=spec, data=DataSpec(str(photo_shards)), steps=1,
+                           world_size=1, data_workers=0)
+    run = MegatronRun(request=request, device=torch.device("cpu"), rank=0, world_size=1, model=vlm, vlm=vlm,
+                      optimizer=None, clock=None, batches=iter(()), num_microbatches=2, layer_spec="local")
+    batches = [batch for batch, _ in zip(rank_loader(request, 0, 1), range(2))]
+    losses = [{"loss": torch.tensor(2.0)}, {"loss": torch.tensor(3.0)}]
+    local = _local_measures(run, batches, losses, {"vision": 0.25, "projector": 0.125}, 1.0, 0.5)
+    assert local.counts == count_batches(batches, request) and local.loss == 2.5
+    reports = []
+    record, stop = finish_step(run, 0, local, lambda report: reports.append(report) or True)
+    assert not stop and record.decoder_seconds == 0.125 and record.loss == 2.5
+    assert record.useful_tokens == sum(batch.useful_tokens for batch in batches) > 0
+    evidence, contract = reports[0].evidence, reports[0].contract.to_json()
+    assert set(evidence.checks) == {"recompute_granularity", "freeze_vision_model", "expert_model_parallel_size",
+                                    "tensor_model_parallel_size", "use_torch_fsdp2", "use_megatron_fsdp",
+                                    "cuda_graph_impl"}
+    assert evidence.layer_spec == "local" and evidence.tp_group_size == 1 and evidence.cuda_graph_units == 0
+    assert contract["trainable"] == "megatron" and contract["layer_spec"] == "local"
+    assert set(contract["versions"]) == {"python", "torch", "cuda", "megatron_core", "transformer_engine"}
+    assert set(contract["hardware"]) == {"device", "accelerator", "world_size"}
+    assert contract["shapes"]["num_microbatches"] == 2 and contract["shapes"]["global_batch_size"] == 2
+    assert set(contract["shapes"]) == {"micro_batch_size", "seq_length", "num_microbatches", "data_parallel",
+                                       "global_batch_size", "tensor_parallel", "pipeline_parallel",
+                                       "context_parallel", "expert_parallel", "expert_tensor_parallel"}
+
+
 def test_probe_reports_this_machine() -> None:
     facts = probe()
     assert facts["torch"] == torch.__version__
@@ -152,5 +187,5 @@ def test_gpu_burst_trains_with_its_knobs_in_effect(photo_shards: Path) -> None:
                            data=DataSpec(str(photo_shards)), steps=4, world_size=1, data_workers=2)
     result = run_burst("megatron", request)
     assert result.outcome == "ok", result.error
-    assert all(result.evidence["checks"].values())
+    assert result.evidence.checks and all(result.evidence.checks.values()), result.evidence
     assert result.records[-1].image_tokens > 0 and result.records[-1].vision_seconds > 0

@@ -2,24 +2,30 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import socket
 import subprocess
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from autotune.core.contract import BurstRequest, DataSpec
+from autotune.core.contract import BurstRequest, Contract, DataSpec, Evidence, InvalidConfig, StepRecord, StepReport
 from autotune.core.knobs import complete_config
 from autotune.core.model import model_preset
 from trainables.data.loader import ImageSettings, PackedVLMDataset
+from trainables.flops import CONVENTION
 from trainables.launch import run_local
+from trainables.native.burst import native_contract, run_rank
+from trainables.native.cuda_graphs import apply_cuda_graphs
 from trainables.native.model import MoEVLM
+from trainables.native.parallelize import ParallelGroups, apply_expert_parallel
 from trainables.native.recompute import apply_recompute
+from trainables.steps import LocalMeasures, StepCounts, finish_step
 
 SPEC = model_preset("cpu_tiny_moe_vlm", {"seq_length": 256})
 IMAGES = ImageSettings(14, 2, SPEC.images.min_pixels, SPEC.images.max_pixels)
@@ -165,9 +171,9 @@ def test_burst_records_every_step_with_contract(photo_shards: Path) -> None:
         assert record.useful_tokens == record.loss_tokens + record.image_tokens > 0
         assert record.step_seconds >= record.data_wait_seconds + record.vision_seconds
         assert record.model_flops > 0 and record.peak_memory_bytes > 0
-    assert result.contract["data"]["realism"] == "real"
-    assert result.contract["precision"] == "fp32" and result.contract["flops_convention"]
-    assert result.evidence["frozen_vision_params_with_grad"] == 0
+    assert result.contract.data.realism == "real"
+    assert result.contract.precision == "fp32" and result.contract.flops_convention
+    assert result.evidence.frozen_vision_params_with_grad == 0
 
 
 def test_oom_is_an_outcome_not_a_crash(photo_shards: Path, monkeypatch) -> None:
@@ -194,6 +200,42 @@ def test_unexpected_error_is_failed_with_traceback(photo_shards: Path, monkeypat
     assert result.outcome == "failed" and "Traceback" in result.error and "kernel exploded" in result.error
 
 
+def test_a_value_error_while_building_is_failed_with_traceback_not_invalid(photo_shards: Path, monkeypatch) -> None:
+    """Only :class:`InvalidConfig` is infeasible: a ``ValueError`` from a bug in the build is
+    ``failed``, so the study retries the config instead of taking it for one that cannot run."""
+
+    def buggy_freeze(self, *args):
+        raise ValueError("a bug in the build path")
+
+    monkeypatch.setattr(MoEVLM, "freeze", buggy_freeze)
+    result = run_local(request(photo_shards))
+    assert result.outcome == "failed", result.error
+    assert "Traceback" in result.error and "ValueError: a bug in the build path" in result.error
+
+
+def test_cuda_graphs_on_the_cpu_are_invalid_with_the_reason(photo_shards: Path) -> None:
+    # The rules reject this config before launch; the runner, called directly, refuses it itself.
+    result = run_rank(request(photo_shards, cuda_graph_impl="local", cuda_graph_scope=["attn"]), torch.device("cpu"))
+    assert result.outcome == "invalid" and result.records == ()
+    assert result.error == "cuda_graph_impl=local needs a CUDA device; this rank runs on cpu"
+
+
+def test_an_ep_size_that_does_not_divide_the_ranks_is_invalid(photo_shards: Path) -> None:
+    result = run_rank(request(photo_shards, expert_model_parallel_size=2), torch.device("cpu"))
+    assert result.outcome == "invalid"
+    assert result.error == "expert_model_parallel_size=2 does not divide the burst's 1 ranks"
+
+
+def test_configs_the_native_model_cannot_build_raise_invalid_config() -> None:
+    graphs_with_fsdp2 = complete_config({**BASE, "cuda_graph_impl": "local", "cuda_graph_scope": ["attn"],
+                                         "use_torch_fsdp2": True})
+    with pytest.raises(InvalidConfig, match="cuda_graph_impl=local cannot run with use_torch_fsdp2"):
+        apply_cuda_graphs(MoEVLM(SPEC), graphs_with_fsdp2, probe_forward=lambda: None)
+    with pytest.raises(InvalidConfig, match="8 experts cannot be spread evenly over expert_model_parallel_size=3"):
+        apply_expert_parallel(MoEVLM(SPEC), ParallelGroups(world_size=3, rank=0, ep_size=3, ep_group=None,
+                                                           expert_dp_group=None))
+
+
 def test_a_rank_that_cannot_start_reports_why(photo_shards: Path) -> None:
     result = run_local(request(photo_shards, world_size=2), trainable="no_such_trainable")
     assert result.outcome == "failed"
@@ -209,8 +251,8 @@ def test_reporter_sees_every_step_and_prunes_the_burst(photo_shards: Path, world
     assert [r.record for r in seen] == list(result.records)  # the caller saw exactly the records kept
     # The first report carries the contract, every report the evidence: a caller that kills the
     # burst instead of letting it return still holds both.
-    assert seen[0].contract is not None and seen[0].contract["config"] == result.contract["config"]
-    assert seen[1].contract is None and seen[1].evidence["checks"] == result.evidence["checks"]
+    assert seen[0].contract is not None and seen[0].contract.config == result.contract.config
+    assert seen[1].contract is None and seen[1].evidence.checks == result.evidence.checks
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
@@ -227,7 +269,7 @@ def test_evidence_checks_every_verified_knob(photo_shards: Path) -> None:
     result = run_local(request(photo_shards, steps=2, recompute_granularity="selective",
                                recompute_modules=["core_attn"], freeze_vision_model=True))
     assert result.outcome == "ok", result.error
-    assert result.evidence["checks"] and all(result.evidence["checks"].values()), result.evidence
+    assert result.evidence.checks and all(result.evidence.checks.values()), result.evidence
 
 
 @pytest.mark.parametrize(
@@ -242,6 +284,120 @@ def test_two_rank_bursts(photo_shards: Path, values: dict) -> None:
     result = run_local(request(photo_shards, steps=3, world_size=2, **values))
     assert result.outcome == "ok", result.error
     expected = "FSDPMoEVLM" if values.get("use_torch_fsdp2") else "DistributedDataParallel"
-    assert result.evidence["data_parallel"] == expected
-    assert result.evidence["ep_group_size"] == values.get("expert_model_parallel_size", 1)
-    assert result.contract["shapes"]["global_batch_size"] == 2 * values.get("micro_batch_size", 1)
+    assert result.evidence.data_parallel == expected
+    assert result.evidence.ep_group_size == values.get("expert_model_parallel_size", 1)
+    assert result.contract.shapes.global_batch_size == 2 * values.get("micro_batch_size", 1)
+
+
+# -- the end of a step, shared with the megatron trainable ------------------------------------------
+
+
+@dataclass
+class OneRank:
+    """A run on one CPU rank, as :func:`finish_step` sees it."""
+
+    device: torch.device = torch.device("cpu")
+    rank: int = 0
+    world_size: int = 1
+    observed: Evidence = field(default_factory=lambda: Evidence(checks={"recompute_granularity": True},
+                                                                 recompute_calls=3))
+
+    def evidence(self) -> Evidence:
+        return self.observed
+
+    def contract(self) -> Contract:
+        return Contract(trainable="test")
+
+
+def test_finish_step_on_one_rank_assembles_the_record_from_local_measures() -> None:
+    # No process group exists here: one rank must need no collective.
+    counts = StepCounts(useful_tokens=300, image_tokens=100, loss_tokens=200, samples=3, model_flops=1.5e9,
+                        skipped_samples=1)
+    local = LocalMeasures(step_seconds=2.0, data_wait_seconds=0.25, vision_seconds=0.5, projector_seconds=0.125,
+                          peak_memory_bytes=123, counts=counts, loss=2.5)
+    reports: list[StepReport] = []
+    record, stop = finish_step(OneRank(), 0, local, lambda report: reports.append(report) or True)
+    assert record == StepRecord(
+        step=0, step_seconds=2.0, data_wait_seconds=0.25, vision_seconds=0.5, projector_seconds=0.125,
+        decoder_seconds=1.125, useful_tokens=300, image_tokens=100, loss_tokens=200, samples=3, model_flops=1.5e9,
+        peak_memory_bytes=123, loss=2.5, skipped_samples=1,
+    )
+    assert not stop
+    assert reports == [StepReport(record, OneRank().observed, Contract(trainable="test"))]
+    # After step 0 no contract; the reporter's False stops; a rank without a loss reports 0.
+    quiet = LocalMeasures(step_seconds=1.0, data_wait_seconds=0.0, vision_seconds=0.0, projector_seconds=0.0,
+                          peak_memory_bytes=1)
+    record, stop = finish_step(OneRank(), 1, quiet, lambda report: reports.append(report) and False)
+    assert stop and reports[1].contract is None
+    assert (record.step, record.loss, record.useful_tokens, record.decoder_seconds) == (1, 0.0, 0, 1.0)
+    assert finish_step(OneRank(), 2, quiet, None)[1] is False
+
+
+STEP_WORKER = r"""
+import json, sys, torch, torch.distributed as dist
+from dataclasses import asdict
+from datetime import timedelta
+from autotune.core.contract import Contract, Evidence
+from trainables.steps import LocalMeasures, StepCounts, finish_step
+rank, port = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=120))
+class Run:
+    device, rank, world_size = torch.device("cpu"), rank, 2
+    def evidence(self): return Evidence()
+    def contract(self): return Contract(trainable="test")
+# As megatron's ranks: rank 0 counts the data and computes no loss, rank 1 the reverse, and is slower.
+local = [LocalMeasures(1.0, 0.5, 0.25, 0.125, 200, counts=StepCounts(10, 4, 6, 2, 1e6, 1)),
+         LocalMeasures(2.0, 0.5, 0.25, 0.25, 100, loss=3.0)][rank]
+record, stop = finish_step(Run(), 0, local, (lambda report: False) if rank == 0 else None)
+print("STEP", json.dumps([asdict(record), stop]))
+dist.destroy_process_group()
+"""
+
+
+def test_finish_step_reduces_over_ranks_and_stops_them_together() -> None:
+    port = str(_free_port())
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", STEP_WORKER, str(r), port], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for r in (0, 1)]
+    results = []
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr[-3000:]
+        results.append(json.loads(next(line for line in stdout.splitlines() if line.startswith("STEP"))[5:]))
+    assert results[0] == results[1]  # every rank holds the same record and the same verdict
+    record, stop = results[0]
+    assert stop  # rank 0's reporter said stop; rank 1 has none
+    # Times of the slowest rank, whole; counts summed; the fullest rank's peak; the loss averaged
+    # over the one rank that computed it.
+    assert (record["step_seconds"], record["data_wait_seconds"], record["projector_seconds"],
+            record["decoder_seconds"]) == (2.0, 0.5, 0.25, 1.0)
+    assert (record["useful_tokens"], record["image_tokens"], record["loss_tokens"], record["samples"],
+            record["model_flops"], record["skipped_samples"]) == (10, 4, 6, 2, 1e6, 1)
+    assert record["peak_memory_bytes"] == 200 and record["loss"] == 3.0
+
+
+# -- the measurement contract ---------------------------------------------------------------------
+
+NATIVE_CONTRACT_KEYS = {
+    "": {"trainable", "versions", "hardware", "model", "data", "precision", "shapes", "timing", "flops_convention",
+         "config"},
+    "versions": {"python", "torch"},
+    "hardware": {"device", "accelerator", "world_size", "cpu_threads_per_rank"},
+    "data": {"folder", "realism", "tokenizer"},
+    "shapes": {"micro_batch_size", "seq_length", "data_parallel", "global_batch_size", "expert_parallel"},
+}
+"""The keys of the native contract's JSON as the trainable wrote them before contracts were typed."""
+
+
+def test_native_contract_json_has_exactly_the_keys_it_always_had(tmp_path: Path) -> None:
+    burst = request(tmp_path, world_size=2, micro_batch_size=4, expert_model_parallel_size=2)
+    written = native_contract(burst, torch.device("cpu")).to_json()
+    assert {part: set(written[part] if part else written) for part in NATIVE_CONTRACT_KEYS} == NATIVE_CONTRACT_KEYS
+    assert written["trainable"] == "native" and written["precision"] == "fp32"
+    assert written["hardware"]["accelerator"] == "cpu" and written["hardware"]["world_size"] == 2
+    assert written["data"] == {"folder": str(tmp_path), "realism": "real", "tokenizer": "byte-level"}
+    assert written["shapes"] == {"micro_batch_size": 4, "seq_length": SPEC.seq_length, "data_parallel": 2,
+                                 "global_batch_size": 8, "expert_parallel": 2}
+    assert written["flops_convention"] == CONVENTION and written["config"] == burst.config.to_plain()
+    assert written["model"] == json.loads(SPEC.model_dump_json())
+    assert Contract.model_validate(written).to_json() == written  # reads back exactly as written

@@ -7,7 +7,6 @@ Ray Train worker groups: the bursts do no GPU work, the placement is real."""
 from __future__ import annotations
 
 import dataclasses
-import json
 from io import StringIO
 from pathlib import Path
 
@@ -106,11 +105,10 @@ def test_trials_workers_land_inside_one_nvlink_domain(tmp_path: Path, racks) -> 
     run_dir = create_run_dir(campaign)
     with LiveView(Console(file=StringIO()), campaign.space, campaign.spec.objective) as view:
         run_campaign(campaign, run_dir, view)
-    launched = [json.loads(line) for line in (run_dir.path / "trials.jsonl").read_text().splitlines()]
-    launched = [entry for entry in launched if entry["launched"]]
+    launched = [entry for entry in run_dir.trials.read() if entry.launched]
     assert len(launched) == 3  # 2 screened, 1 promoted
     for entry in launched:
-        workers = entry["contract"]["workers"]
+        workers = entry.contract.workers
         assert len(workers) == 4
-        assert {racks[w["node_id"]] for w in workers} == {w["nvlink_domain"] for w in workers}
-        assert len({w["nvlink_domain"] for w in workers}) == 1, workers
+        assert {racks[w.node_id] for w in workers} == {w.nvlink_domain for w in workers}
+        assert len({w.nvlink_domain for w in workers}) == 1, workers

@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 
 from autotune.campaign import load_campaign
-from autotune.core.contract import BurstRequest, BurstResult, DataSpec, StepRecord, StepReport
+from autotune.core.contract import BurstRequest, BurstResult, Contract, DataSpec, Evidence, StepRecord, StepReport
 from autotune.core.knobs import complete_config
 from autotune.core.model import model_preset
 from autotune.core.tables import RecordedBurst, TableError, append_row, load_table
 from autotune.engine.ledger import Ledger
+from autotune.engine.records import Launch
 from autotune.engine.rundir import create_run_dir
 from autotune.engine.trial import end_result, step_result
 from autotune.space import load_space
@@ -96,12 +97,15 @@ def test_replay_ends_as_recorded_and_stops_when_told(tmp_path) -> None:
     path = table(tmp_path, row(), row("oom", [2.0], micro_batch_size=8))
     oom = run_replay(request(path, 10, micro_batch_size=8))
     assert (oom.outcome, len(oom.records), oom.elapsed_seconds) == ("oom", 1, 14.0)
-    assert "out of memory" in oom.error
+    assert "out of memory" in oom.error and oom.contract is None
     reports: list[StepReport] = []
     stopped = run_replay(request(path, 10), lambda report: reports.append(report) or len(reports) < 3)
     assert stopped.outcome == "pruned" and len(stopped.records) == 3
     assert [r.elapsed_seconds for r in reports] == pytest.approx([15.0, 16.5, 16.5 + stopped.records[2].step_seconds])
-    assert reports[0].contract["replayed_from"] == str(path) and reports[1].contract is None
+    # A replay measured nothing: its contract names the table and carries the recorded contract.
+    assert reports[0].contract == Contract(trainable="replay", replayed_from=str(path), recorded={"world_size": 2})
+    assert reports[1].contract is None and stopped.contract == reports[0].contract
+    assert all(report.evidence.is_empty() for report in reports) and stopped.evidence.is_empty()
 
 
 def test_the_ledger_charges_replayed_seconds_not_its_clock(tmp_path) -> None:
@@ -109,15 +113,15 @@ def test_the_ledger_charges_replayed_seconds_not_its_clock(tmp_path) -> None:
     ledger = Ledger(create_run_dir(campaign, tmp_path / "runs"), world_size=2, warmup_steps=1,
                     target_relative_half_width=0.02, benchmark_only=False)
     config = complete_config({})
-    ledger.start("t1", "screen", campaign.space.name, config, 0, "sampler")
+    ledger.start("t1", Launch(stage="screen", space=campaign.space.name, config=config, origin="sampler", number=0))
     record = StepRecord(step=0, step_seconds=1.0, data_wait_seconds=0.0, vision_seconds=0.0, projector_seconds=0.0,
                         decoder_seconds=0.0, useful_tokens=1000, image_tokens=0, loss_tokens=0, samples=0,
                         model_flops=0.0, peak_memory_bytes=0, loss=0.0)
     for step in range(6):
-        report = StepReport(replace(record, step=step), {}, elapsed_seconds=100.0 + step)
+        report = StepReport(replace(record, step=step), Evidence(), elapsed_seconds=100.0 + step)
         ledger.record("t1", step_result(report, campaign.spec.objective, 2))
     assert ledger.device_seconds() == pytest.approx(2 * 105.0)
     ledger.record("t1", end_result(BurstResult("ok", elapsed_seconds=130.0)))
     entry = ledger.finish("t1", errored=False)
-    assert entry["device_seconds"] == pytest.approx(260.0)
-    assert entry["wall_seconds"] < 60.0
+    assert entry.device_seconds == pytest.approx(260.0)
+    assert entry.wall_seconds < 60.0

@@ -60,18 +60,18 @@ def test_the_page_shows_the_run_records(report_page) -> None:
     numbers = Numbers()
     numbers.feed(page.read_text(encoding="utf-8"))
     records = entries(run_dir)
-    promoted = [e for e in records if e["launched"] and e["stage"] == "promote"]
+    promoted = [e for e in records if e.launched and e.stage == "promote"]
     assert promoted
     for entry in promoted:
-        assert numbers.cells[(entry["trial_id"], "objective")] == entry["objective"]
-        assert numbers.cells[(entry["trial_id"], "ci_low")] == entry["estimate"]["ci_low"]
-        assert numbers.cells[(entry["trial_id"], "ci_high")] == entry["estimate"]["ci_high"]
+        assert numbers.cells[(entry.trial_id, "objective")] == entry.objective
+        assert numbers.cells[(entry.trial_id, "ci_low")] == entry.estimate.ci_low
+        assert numbers.cells[(entry.trial_id, "ci_high")] == entry.estimate.ci_high
     winner = json.loads((run_dir / "leaderboard.json").read_text())
     (winner_row,) = [row for row in winner["rows"] if row["winner"]]
     assert numbers.by_id["winner-objective"] == winner_row["objective"]
-    (bring_up,) = [e for e in records if e["source"] == "warm_start:bring-up"]
-    assert numbers.cells[(bring_up["trial_id"], "objective")] == bring_up["objective"]
-    assert numbers.by_id["gain"] == pytest.approx(winner_row["objective"] / bring_up["objective"] - 1)
+    (bring_up,) = [e for e in records if e.warm_start == "bring-up"]
+    assert numbers.cells[(bring_up.trial_id, "objective")] == bring_up.objective
+    assert numbers.by_id["gain"] == pytest.approx(winner_row["objective"] / bring_up.objective - 1)
     spend = json.loads((run_dir / "spend.json").read_text())
     assert numbers.by_id["device-hours"] == pytest.approx(spend["total"] / 3600)
     for group in ("by_stage", "by_outcome"):
@@ -85,8 +85,8 @@ def test_the_stage_split_is_the_steady_steps_mean(campaign_run) -> None:
     report = load_report(run_dir)
     steps = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
     split = report.stage_splits[0]
-    entry = next(e for e in entries(run_dir) if e["trial_id"] == split.trial_id)
-    first = entry["contract"]["steady_window"]["first_step"]
+    entry = next(e for e in entries(run_dir) if e.trial_id == split.trial_id)
+    first = entry.contract.steady_window.first_step
     steady = [s["record"] for s in steps if s["trial_id"] == split.trial_id and s["record"]["step"] >= first]
     assert split.label.startswith("winner: ")
     for part in ("vision_seconds", "projector_seconds", "decoder_seconds", "data_wait_seconds"):

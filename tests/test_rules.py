@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from autotune.rules import RULES, violations
-from tests.conftest import cfg, make_context
+from conftest import cfg, make_context
 
 
 @dataclass(frozen=True)

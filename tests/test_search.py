@@ -32,7 +32,7 @@ def fake_value(config) -> float:
 
 @pytest.mark.parametrize("space", [CPU_DEMO, H200, PARALLEL_3D], ids=["cpu_demo", "h200_single", "parallel_3d"])
 def test_suggested_configs_are_the_space_and_parameters_follow_conditions(space) -> None:
-    proposer = Proposer(space, target_context(space), None, "t", sampler="random", use_rules=False)
+    proposer = Proposer(space, target_context(space), None, "t", sampler="random")
     grid = set(space.configs())
     for _ in range(60):
         trial = proposer.study.ask()
@@ -70,7 +70,8 @@ def test_rule_rejected_configs_never_reach_a_device_but_are_told(sampler: str) -
     invalid = [t for t in told if t.user_attrs.get("outcome") == "invalid"]
     assert invalid, "the sampler proposed FSDP2 with EP=2 at least once and was told"
     assert all(t.constraints == {"feasible": 1.0} and t.user_attrs["cost_seconds"] == 0.0 for t in invalid)
-    assert all("torch_fsdp2_needs_pp1_ep1" in t.user_attrs["reason"] for t in invalid)
+    assert all("torch_fsdp2_needs_pp1_ep1" in t.user_attrs["reason"] and t.user_attrs["gate"] == "rules"
+               for t in invalid)
     assert len(set(launched)) == len(launched), "no config runs twice"
 
 
@@ -89,7 +90,7 @@ def test_repeats_are_not_results_and_a_converged_sampler_steps_to_the_nearest_un
     repeats = [t for t in trials if "repeat_of" in t.user_attrs]
     assert repeats and all(t.state == TrialState.FAIL and "config" not in t.user_attrs for t in repeats)
     assert all(trials[t.user_attrs["repeat_of"]].state == TrialState.COMPLETE for t in repeats)
-    near = [t for t in trials if t.user_attrs.get("source") == "near_repeat"]
+    near = [t for t in trials if t.user_attrs.get("origin") == "nearest"]
     assert near, "TPE converged on this smooth objective and repeated itself"
     for trial in near:  # queued after the sampler repeated a config: one knob or more away from it
         last_repeat = next(t for t in reversed(trials[:trial.number]) if "repeat_of" in t.user_attrs)
@@ -105,7 +106,7 @@ def test_warm_starts_come_first() -> None:
     proposer.enqueue_warm_starts()
     proposer.enqueue_warm_starts()  # idempotent
     first = [proposer.propose() for _ in range(2)]
-    assert [p.source for p in first] == ["warm_start:bring-up", "warm_start:fsdp-first"]
+    assert [(p.origin, p.warm_start) for p in first] == [("warm_start", "bring-up"), ("warm_start", "fsdp-first")]
     assert [p.config for p in first] == [w.config for w in CPU_DEMO.warm_starts]
 
 
@@ -160,11 +161,25 @@ def test_study_resumes_from_the_journal_file(tmp_path: Path) -> None:
         first.complete(proposal, "ok", fake_value(proposal.config))
         done.append(proposal.config)
     second = Proposer(CPU_DEMO, context, journal, "demo", sampler="random", seed=6)
-    assert set(done) <= set(second.finished)
+    assert set(done) <= set(second.history.finished)
     for _ in range(10):
         proposal = second.propose()
         assert proposal.config not in done  # finished configs are answered from the study, not rerun
         second.complete(proposal, "ok", fake_value(proposal.config))
+
+
+def test_a_journal_left_with_queued_trials_resumes_without_running_them_twice(tmp_path: Path) -> None:
+    journal = tmp_path / "study.journal"
+    context = target_context(CPU_DEMO)
+    first = Proposer(CPU_DEMO, context, journal, "demo", sampler="random", seed=5)
+    for warm in CPU_DEMO.warm_starts:  # how earlier versions queued warm starts: all at once, up front
+        first.study.enqueue_trial(config_params(warm.config, CPU_DEMO), user_attrs={"source": f"warm_start:{warm.name}"})
+    second = Proposer(CPU_DEMO, context, journal, "demo", sampler="random", seed=5)
+    assert not second.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+    second.enqueue_warm_starts()
+    proposals = [second.propose() for _ in range(3)]
+    assert [p.warm_start for p in proposals[:2]] == [w.name for w in CPU_DEMO.warm_starts]
+    assert len({p.config for p in proposals}) == 3
 
 
 def test_the_journal_is_optunas_file_written_once_a_call_and_synced_when_a_trial_completes(
@@ -230,7 +245,8 @@ def test_an_exhausted_space_ends_the_search_and_each_rejection_is_recorded_once(
     rejected = proposer.take_rejections()
     assert len(ran) + len(rejected) == 3  # every config settled exactly once, then no more proposals
     assert len({r.config for r in rejected}) == len(rejected)
-    assert all(r.outcome == "oom_predicted" and "micro_batch_size=" in r.reason for r in rejected)
+    assert all(r.outcome == "oom_predicted" and r.gate == "oom_dominance" and "micro_batch_size=" in r.reason
+               for r in rejected)
     assert len(proposer.study.trials) < 50  # it stopped asking once the space was exhausted
 
 
@@ -244,8 +260,8 @@ def test_warm_start_from_an_earlier_campaign_runs_its_best_first_and_avoids_its_
     assert proposer.warm_start_from(earlier, best=2) == 2
     first, second = proposer.propose(), proposer.propose()
     assert [first.config, second.config] == [ok[-1], ok[-2]]  # best earlier values first
-    assert first.source == "earlier_campaign"
-    assert proposer.out_of_memory == [oom]  # what needs at least its memory is rejected before launch
+    assert first.origin == "earlier_campaign"
+    assert proposer.history.out_of_memory == [oom]  # what needs at least its memory is rejected before launch
     for _ in range(30):
         proposal = proposer.propose()
         assert not needs_at_least_as_much_memory(proposal.config, oom)

@@ -1,4 +1,8 @@
-"""The leaf both sides import: the knob registry, model presets, the burst contract (requests,
-step records, outcomes, the measurement contract), steady-state estimation, the recorded-table
-format, the error tree and the trainable registry. It imports nothing else of ``autotune`` or
-``trainables``, and none of torch, Ray, Optuna or Megatron."""
+"""The trainables: each runs one burst of a MoE VLM with one config and reports every step.
+
+``native`` (plain PyTorch, CPU or CUDA), ``megatron`` (megatron-core, CUDA) and ``replay`` (a
+recorded table, no device). They share the step loop and the end of a step (``steps.py``), the
+measurement contract (``measurement.py``) and the local launcher (``launch.py``); of the tuner they
+import only ``autotune.core``, never Optuna or Ray, and the tuner finds them by name in
+``autotune/core/registry.py``.
+"""

@@ -8,11 +8,11 @@ from dataclasses import asdict
 from pathlib import Path
 
 import typer
+from pydantic import BaseModel
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from autotune.core.knobs import complete_config
 from autotune.engine.rundir import REPORT_FILE
 from autotune.report.analysis import RunReport, load_report
 from autotune.report.compare import compare
@@ -40,29 +40,33 @@ def print_summary(console: Console, loaded: RunReport) -> None:
     board = Table(title=f"promoted configs and baselines ({loaded.objective})")
     for column in ("", "config", "mean", "95 % interval", "steps"):
         board.add_column(column)
-    for row in loaded.board["rows"]:
-        tag = "winner" if row["winner"] else ("tied" if row["tied_with_winner"] else f"#{row['rank']}")
-        interval = "" if row["ci_low"] is None else f"{row['ci_low']:,.0f}–{row['ci_high']:,.0f}"
-        mean = "" if row["objective"] is None else f"{row['objective']:,.0f}"
-        board.add_row(tag, escape(complete_config(row["config"]).describe()), mean, interval, str(row["steps"]))
+    for row in loaded.board.rows:
+        tag = "winner" if row.winner else ("tied" if row.tied_with_winner else f"#{row.rank}")
+        interval = "" if row.ci_low is None else f"{row.ci_low:,.0f}–{row.ci_high:,.0f}"
+        mean = "" if row.objective is None else f"{row.objective:,.0f}"
+        board.add_row(tag, escape(row.config.describe()), mean, interval, str(row.steps))
     for base in loaded.baselines:
-        estimate = base.get("estimate") or {}
-        board.add_row(base["source"].removeprefix("warm_start:"), escape(complete_config(base["config"]).describe()),
-                      "" if base.get("objective") is None else f"{base['objective']:,.0f}",
-                      f"{estimate['ci_low']:,.0f}–{estimate['ci_high']:,.0f}" if estimate else base["outcome"],
-                      f"{base['steps']} (screen)")
+        estimate = base.estimate
+        board.add_row(base.warm_start, escape(base.config.describe()),
+                      "" if base.objective is None else f"{base.objective:,.0f}",
+                      f"{estimate.ci_low:,.0f}–{estimate.ci_high:,.0f}" if estimate else base.outcome,
+                      f"{base.steps} (screen)")
     console.print(board)
     gain = loaded.gain_over_bring_up()
     if gain is not None:
         console.print(f"winner over bring-up: {gain:+.1%} {loaded.objective}")
     hours = loaded.device_hours()
-    split = "; ".join(", ".join(f"{key} {value:.3f}" for key, value in hours[group].items() if value)
-                      for group in ("by_stage", "by_outcome") if any(hours[group].values()))
-    console.print(f"device-hours: {hours['total']['all']:.3f}" + (f" ({split})" if split else ""))
+    split = "; ".join(", ".join(f"{key} {value:.3f}" for key, value in group.items() if value)
+                      for group in (hours.by_stage, hours.by_outcome) if any(group.values()))
+    console.print(f"device-hours: {hours.total:.3f}" + (f" ({split})" if split else ""))
     for split in loaded.stage_splits[:3]:
         parts = ", ".join(f"{part.removesuffix('_seconds')} {100 * value / split.step_seconds:.0f}%"
                           for part, value in split.parts.items() if split.step_seconds)
         console.print(f"stage split {split.trial_id}: {split.step_seconds:.3f} s/step ({parts})")
+
+
+def _jsonable(value: object) -> object:
+    return value.model_dump(mode="json") if isinstance(value, BaseModel) else str(value)
 
 
 def compare_runs(
@@ -73,7 +77,7 @@ def compare_runs(
     """Compare two campaigns by useful tokens/s per device and workload shape."""
     result = compare(load_report(run_a), load_report(run_b))
     if as_json:
-        typer.echo(json.dumps(asdict(result), indent=1, default=str))
+        typer.echo(json.dumps(asdict(result), indent=1, default=_jsonable))
         return
     console = Console()
     table = Table(title="by the objective per device, on the same workload")
@@ -87,10 +91,10 @@ def compare_runs(
         ("per device", *(f"{s.objective:,.0f}" if s.objective is not None else "–" for s in (result.a, result.b))),
         ("95 % interval", *(f"{s.ci_low:,.0f}–{s.ci_high:,.0f}" if s.ci_low is not None else "–"
                             for s in (result.a, result.b))),
-        ("global batch", *(str(s.shapes.get("global_batch_size", "–")) for s in (result.a, result.b))),
-        ("micro-batch", *(str(s.shapes.get("micro_batch_size", "–")) for s in (result.a, result.b))),
-        *((key, str(result.a.workload[key]), str(result.b.workload[key])) for key in ("model", "seq_length",
-                                                                                       "data_realism")),
+        ("global batch", *(str(s.shapes.global_batch_size) if s.shapes else "–" for s in (result.a, result.b))),
+        ("micro-batch", *(str(s.shapes.micro_batch_size) if s.shapes else "–" for s in (result.a, result.b))),
+        *((key, str(getattr(result.a.workload, key)), str(getattr(result.b.workload, key)))
+          for key in ("model", "seq_length", "data_realism")),
     ]
     for row in rows:
         table.add_row(*(escape(cell) for cell in row))

@@ -15,7 +15,6 @@ from rich.table import Table
 from autotune.campaign import Campaign, builtin_campaign_path, load_campaign
 from autotune.cli import console
 from autotune.core.errors import InputFileError
-from autotune.core.knobs import complete_config
 from autotune.engine.rundir import REPORT_FILE, WINNER_FILE, create_run_dir, open_run_dir
 from autotune.export import render
 from autotune.report.analysis import load_report
@@ -23,6 +22,7 @@ from autotune.survey import survey_space
 
 if TYPE_CHECKING:
     from autotune.engine.driver import CampaignOutcome
+    from autotune.engine.records import TrialEntry
 
 ADDRESS_HELP = "Ray cluster address (default: RAY_ADDRESS, the job's cluster, or a new local one)."
 
@@ -70,43 +70,42 @@ def _report(campaign: Campaign, outcome: CampaignOutcome) -> None:
 
     spaces = {space.name: space for space in campaign.spaces}
 
-    def knobs(entry: dict) -> str:
-        return escape(spaces[entry["space"]].describe(complete_config(entry["config"])))
+    def knobs(entry: TrialEntry) -> str:
+        return escape(spaces[entry.space].describe(entry.config))
 
-    entries = outcome.run_dir.trials.read()
-    promoted = sorted((e for e in entries if e["launched"] and e["stage"] == "promote"),
-                      key=lambda e: -(e.get("objective") or 0.0))
+    promoted = sorted((e for e in outcome.run_dir.trials.read() if e.launched and e.stage == "promote"),
+                      key=lambda e: -(e.objective or 0.0))
     table = Table(title=f"promotion ({campaign.spec.stages.promote_steps} steps) · {campaign.spec.objective}")
     for column in ("", "space", "mean", "95% interval", "steady steps", "config"):
         table.add_column(column)
-    winner_id = outcome.verdict.winner["trial_id"] if outcome.verdict.winner else None
+    winner_id = outcome.verdict.winner.trial_id if outcome.verdict.winner else None
     for entry in promoted:
-        estimate = entry.get("estimate") or {}
-        mark = "winner" if entry["trial_id"] == winner_id else entry["outcome"]
+        estimate = entry.estimate
         table.add_row(
-            mark,
-            entry["space"],
-            f"{entry['objective']:,.1f}" if entry.get("objective") is not None else "-",
-            f"{estimate['ci_low']:,.1f}–{estimate['ci_high']:,.1f}" if estimate else "-",
-            str(estimate.get("window", "-")),
+            "winner" if entry.trial_id == winner_id else entry.outcome,
+            entry.space,
+            f"{entry.objective:,.1f}" if entry.objective is not None else "-",
+            f"{estimate.ci_low:,.1f}–{estimate.ci_high:,.1f}" if estimate else "-",
+            str(estimate.window) if estimate else "-",
             knobs(entry),
         )
     console.print(table)
     spend = outcome.spend
     console.print(
-        f"spent {spend['total']:,.0f} device-seconds · screening trials {spend['trials']['screen']}, "
-        f"promoted {spend['trials']['promote']}, rejected before launch {spend['rejected_before_launch']} · "
-        + " · ".join(f"{name} {seconds:,.0f} s" for name, seconds in sorted(spend["by_outcome"].items()))
+        f"spent {spend.total:,.0f} device-seconds · screening trials {spend.trials['screen']}, "
+        f"promoted {spend.trials['promote']}, rejected before launch {spend.rejected_before_launch} · "
+        + " · ".join(f"{name} {seconds:,.0f} s" for name, seconds in sorted(spend.by_outcome.items()))
     )
     for entry, why in outcome.verdict.disqualified:
         console.print(f"[yellow]ruled out[/] {knobs(entry)}: {escape(why)}")
     if outcome.verdict.winner is None:
         console.print(f"[bold red]no winner:[/] {escape(outcome.verdict.summary)}")
     else:
-        config = complete_config(outcome.verdict.winner["config"])
-        console.print(f"[bold green]winner[/] ({escape(outcome.verdict.summary)}): {knobs(outcome.verdict.winner)}")
+        winner = outcome.verdict.winner
+        console.print(f"[bold green]winner[/] ({escape(outcome.verdict.summary)}): {knobs(winner)}")
         console.print("Megatron-Bridge overrides:", highlight=False)
-        console.print(escape(render(config, "bridge", campaign.stack.megatron_core)), highlight=False, soft_wrap=True)
+        console.print(escape(render(winner.config, "bridge", campaign.stack.megatron_core)), highlight=False,
+                      soft_wrap=True)
         console.print(
             f"winner: {escape(str(outcome.run_dir.path / WINNER_FILE))} · other formats: "
             f"autotune export {escape(str(outcome.run_dir.path))} --format megatron-lm|yaml|json",

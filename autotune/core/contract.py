@@ -1,17 +1,22 @@
-"""What ``autotune/`` and ``trainables/`` agree on, and nothing else.
+"""What the tuner and the trainables agree on: the stack a trial runs on, what a trainable honours,
+one burst's request, its per-step records, how it ended, and the measurement contract that travels
+with every figure.
 
-The tuner never imports Megatron; trainables never import Optuna or Ray Tune. They meet here:
-the stack a trial runs on, and what a trainable can honour. (Later: the burst's records.)
+A burst takes a :class:`BurstRequest` and reports a :class:`StepReport` after every step; it ends
+with a :class:`BurstResult` whose outcome is ``ok``, ``oom``, ``invalid`` (only when the trainable
+raised :class:`InvalidConfig` before step 1), ``pruned`` (told to stop) or ``failed`` (anything
+else, with its traceback). The tuner never imports Megatron and trainables never import Optuna or
+Ray Tune: both import this module, which imports neither.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Mapping
+from typing import Any, Callable, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict
 
-from autotune.core.knobs import KNOBS, Config, Value, get_knob
+from autotune.core.knobs import KNOBS, Config, ConfigField, Value, get_knob
 from autotune.core.model import ModelSpec
 
 Accelerator = Literal["cpu", "h100", "h200", "b200", "gb200"]
@@ -41,7 +46,8 @@ class TrainableSupport:
     """The knob values a trainable honours for real; the rules engine rejects the rest before launch.
 
     ``allowed`` maps a knob to the values it accepts (for set-valued knobs: the elements, with
-    ``()`` standing for the empty set). Knobs not listed are honoured in full. A trainable never silently ignores a knob.
+    ``()`` standing for the empty set). Knobs not listed are honoured in full. A trainable never
+    silently ignores a knob.
     """
 
     name: str
@@ -91,13 +97,22 @@ class TrainableSupport:
 # -- the burst: what a trial runs and what it reports ----------------------------------------------
 
 Outcome = Literal["ok", "oom", "invalid", "pruned", "failed", "hung"]
-"""How a burst ended: ``ok``; ``oom`` (out of memory, memory released); ``invalid`` (the stack
-rejected the config before step 1); ``pruned`` (told to stop); ``failed`` (anything else);
-``hung`` (no step for the campaign's ``stages.hang_timeout_s``: killed by the campaign's watchdog)."""
+"""How a burst ended: ``ok``; ``oom`` (out of memory, memory released); ``invalid`` (the trainable
+raised :class:`InvalidConfig`: the stack rejected the config before step 1); ``pruned`` (told to
+stop); ``failed`` (anything else); ``hung`` (no step for the campaign's ``stages.hang_timeout_s``:
+killed by the campaign's watchdog)."""
 
 FAILED_OUTCOMES = frozenset({"oom", "invalid", "failed", "hung"})
 """Outcomes of a launched burst that measured no throughput: infeasible to the study, waste to the
 search benchmark."""
+
+
+class InvalidConfig(Exception):
+    """The stack refuses this config (megatron-core's own checks, a combination the trainable
+    cannot build): raised before step 1, the burst ends ``invalid`` and the study never retries it.
+    Anything else a trainable raises ends ``failed`` with its traceback, so a bug is never taken
+    for an infeasible config."""
+
 
 DataRealism = Literal["real", "mock"]
 
@@ -135,15 +150,109 @@ class StepRecord:
         return self.useful_tokens / self.step_seconds if self.step_seconds > 0 else 0.0
 
 
+class _Record(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Evidence(BaseModel):
+    """What a run observed of its knobs (recompute active, frozen parameters without gradients, EP
+    group size…), so promotion can check that the knobs took effect. What is observed differs by
+    trainable (the extra fields); ``checks`` maps each knob the trainable verified to whether the
+    observation matched the config."""
+
+    model_config = ConfigDict(frozen=True, extra="allow")
+
+    checks: dict[str, bool] = {}
+
+    def failed_checks(self) -> list[str]:
+        return sorted(knob for knob, ok in self.checks.items() if not ok)
+
+    def is_empty(self) -> bool:
+        """Nothing observed (a burst that ended before its first step, or a replay)."""
+        return not self.checks and not self.model_extra
+
+
+class Hardware(_Record):
+    device: str
+    accelerator: str
+    """``cuda`` or ``cpu`` (what the trainable ran on; the campaign's label is in the probe)."""
+    world_size: int
+    cpu_threads_per_rank: int | None = None
+
+
+class DataProvenance(_Record):
+    folder: str
+    realism: DataRealism
+    tokenizer: str
+
+
+class Shapes(_Record):
+    """The workload's shape as run: runs compare only at the same shape."""
+
+    micro_batch_size: int
+    seq_length: int
+    data_parallel: int
+    global_batch_size: int
+    expert_parallel: int
+    num_microbatches: int | None = None
+    tensor_parallel: int | None = None
+    pipeline_parallel: int | None = None
+    context_parallel: int | None = None
+    expert_tensor_parallel: int | None = None
+
+
+class SteadyWindow(_Record):
+    first_step: int
+    steps: int
+
+
+class WorkerPlacement(_Record):
+    node_id: str
+    nvlink_domain: str | None
+
+
+class Contract(_Record):
+    """The measurement contract: versions, hardware, model, data realism, precision, shapes, timing
+    method and FLOPs convention of a measured burst; the steady window and where each rank ran are
+    added on the way to the trial's record. A replayed burst (``trainable: replay``) measured
+    nothing here: it carries the recorded burst's contract as the table holds it (``recorded``).
+
+    Serialised with ``exclude_unset``, so a contract reads back exactly as written."""
+
+    trainable: str
+    versions: dict[str, str | None] | None = None
+    hardware: Hardware | None = None
+    model: dict[str, Any] | None = None
+    """The model preset as run (``ModelSpec`` fields)."""
+    layer_spec: str | None = None
+    """megatron-core's layer specs: ``transformer_engine`` or ``local``."""
+    data: DataProvenance | None = None
+    precision: str | None = None
+    shapes: Shapes | None = None
+    timing: str | None = None
+    flops_convention: str | None = None
+    config: ConfigField | None = None
+    replayed_from: str | None = None
+    """A replay's recorded table."""
+    recorded: dict[str, Any] | None = None
+    """A replay's recorded contract, as the table holds it."""
+    workers: tuple[WorkerPlacement, ...] | None = None
+    """Where each rank ran (Ray Train worker groups)."""
+    steady_window: SteadyWindow | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", exclude_unset=True)
+
+
 @dataclass(frozen=True)
 class StepReport:
     """What a burst tells its caller after each step, so a caller that stops it early (or loses
     it) already holds everything the finished burst would have returned."""
 
     record: StepRecord
-    evidence: dict
+    evidence: Evidence
     """The run's evidence as of this step (see :attr:`BurstResult.evidence`)."""
-    contract: dict | None = None
+    contract: Contract | None = None
     """The measurement contract, with the first step's report only."""
     elapsed_seconds: float | None = None
     """A replayed burst's recorded seconds since launch (start-up included), which the tuner
@@ -158,14 +267,10 @@ Reporter = Callable[[StepReport], bool]
 class BurstResult:
     outcome: Outcome
     records: tuple[StepRecord, ...] = ()
-    contract: dict | None = None
-    """The measurement contract of an ``ok`` (or pruned) burst: versions, hardware, model,
-    data realism, precision, shapes, timing method and FLOPs convention."""
+    contract: Contract | None = None
+    """The measurement contract of an ``ok`` (or pruned) burst."""
     error: str | None = None
-    evidence: dict = field(default_factory=dict)
-    """What the run observed of its knobs (recompute active, frozen params without grads, EP
-    group size…), so promotion can check the knobs took effect. Its ``checks`` entry maps each
-    knob the trainable verified to whether the observation matched the config."""
+    evidence: Evidence = field(default_factory=Evidence)
     elapsed_seconds: float | None = None
     """A replayed burst's recorded seconds in all (see :attr:`StepReport.elapsed_seconds`)."""
 
@@ -189,4 +294,4 @@ class BurstRequest:
     (``RLIMIT_AS``), so training steps that need more fail to allocate: a real OOM boundary.
     Capped ranks run in fresh processes, whose heaps hold no freed memory to reuse uncounted."""
     replay_table: str | None = None
-    """The replay trainable's recorded table (autotune/core/tables.py); other trainables ignore it."""
+    """The replay trainable's recorded table (``autotune/core/tables.py``); other trainables ignore it."""

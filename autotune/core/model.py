@@ -102,11 +102,6 @@ class ModelSpec(_Frozen):
     def drop_and_pad(self) -> bool:
         return self.moe_expert_capacity_factor is not None and self.moe_pad_expert_input_to_capacity
 
-    @property
-    def image_resize_factor(self) -> int:
-        """``smart_resize``'s factor: patch size × merge size (28 for Qwen2-VL, 32 for Qwen3-VL)."""
-        return self.vision.patch_size * self.vision.spatial_merge_size
-
 
 _QWEN3_VL_VISION = VisionSpec(
     num_layers=27, hidden_size=1152, ffn_hidden_size=4304, num_attention_heads=16, patch_size=16
@@ -135,8 +130,8 @@ PRESETS: dict[str, ModelSpec] = {
             vision=VisionSpec(num_layers=4, hidden_size=192, ffn_hidden_size=768, num_attention_heads=3, patch_size=14),
             images=ImagePolicy(min_pixels=56 * 56, max_pixels=336 * 336),
         ),
-        # What one H200 trains without Transformer Engine: the CLIP ViT 12x768 measured in
-        # DESIGN.md §2 and a 16-layer MoE decoder.
+        # What one H200 trains without Transformer Engine: a CLIP-sized ViT (12 x 768, the one
+        # first run there without TE) and a 16-layer MoE decoder.
         ModelSpec(
             name="h200_small_moe_vlm",
             num_layers=16,

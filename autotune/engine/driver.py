@@ -12,25 +12,27 @@ from __future__ import annotations
 import errno
 import logging
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Iterator
 
 import ray
 from ray import tune
 
 from autotune.campaign import Campaign
 from autotune.core.errors import AutotuneError
-from autotune.core.knobs import complete_config
+from autotune.core.knobs import Config, complete_config
 from autotune.core.registry import REPLAY
 from autotune.core.tables import load_table
 from autotune.durable import OutputUnwritable
 from autotune.engine.faults import exception_chain
-from autotune.engine.ledger import Ledger, Stage
+from autotune.engine.ledger import Ledger
 from autotune.engine.live import LiveView
 from autotune.engine.placement import DomainPlanner
 from autotune.engine.probe import apply_probe, probe_cluster, recorded_probes
 from autotune.engine.promotion import Verdict, decide, leaderboard, projected_headroom, promotion_candidates
+from autotune.engine.records import Spend, Stage
 from autotune.engine.rundir import (
     LEADERBOARD_FILE, PROBE_FILE, SPEND_FILE, WINNER_FILE, RunDir, open_run_dir,
 )
@@ -41,6 +43,7 @@ from autotune.search.proposer import Proposer
 from autotune.space import SearchSpace
 
 
+NO_TUNE_LOGGERS = "TUNE_DISABLE_AUTO_CALLBACK_LOGGERS"
 DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG, errno.EACCES, errno.EIO}
 """Write failures that mean the output directory cannot take more: full, quota, read-only, too
 large, permissions changed, or the device failed."""
@@ -50,7 +53,7 @@ large, permissions changed, or the device failed."""
 class CampaignOutcome:
     run_dir: RunDir
     verdict: Verdict
-    spend: dict[str, Any]
+    spend: Spend
 
 
 def connect(address: str | None) -> None:
@@ -99,9 +102,9 @@ def run_campaign(campaign: Campaign, run_dir: RunDir, view: LiveView) -> Campaig
             _tune_space(campaign, campaign.next_space, f"{spec.name}:{campaign.next_space.name}", run_dir, ledger,
                         job, view, limit, planner)
     verdict = decide(ledger.launched("promote"))
-    run_dir.write_json(LEADERBOARD_FILE, leaderboard(ledger.entries, verdict))
+    run_dir.write_json(LEADERBOARD_FILE, leaderboard(ledger.entries, verdict).model_dump(mode="json"))
     spend = ledger.spend()
-    run_dir.write_json(SPEND_FILE, spend)
+    run_dir.write_json(SPEND_FILE, spend.model_dump(mode="json"))
     if verdict.winner is not None:
         _write_winner(run_dir, campaign, verdict)
     return CampaignOutcome(run_dir, verdict, spend)
@@ -131,8 +134,10 @@ def _domain_planner(job: TrialJob, view: LiveView) -> DomainPlanner | None:
 def _tune_space(campaign: Campaign, space: SearchSpace, study_name: str, run_dir: RunDir, ledger: Ledger,
                 job: TrialJob, view: LiveView, memory_limit: float | None, planner: DomainPlanner | None) -> None:
     """Screen ``space`` within the budget, then promote its best configs."""
+    from ray.tune.schedulers import FIFOScheduler
+
     from autotune.engine.tune_roles import (
-        Budget, BudgetStopper, HangWatchdog, ListSearcher, ScreeningScheduler, StudySearcher,
+        Budget, BudgetStopper, HangWatchdog, ListSearcher, RecordingCallback, ScreeningScheduler, StudySearcher,
     )
 
     spec = campaign.spec
@@ -149,16 +154,16 @@ def _tune_space(campaign: Campaign, space: SearchSpace, study_name: str, run_dir
         view.note(f"warm start from {earlier}: {queued} config(s) queued")
 
     budget = Budget(campaign, ledger, space.name)
-    watchdog = HangWatchdog(ledger, spec.stages.hang_timeout_s)
+    callbacks = [RecordingCallback(ledger), HangWatchdog(ledger, spec.stages.hang_timeout_s)]
     view.attach(ledger, budget, space)
     if budget.trials_left() and not budget.exhausted() and not budget.plateaued():
         _run_stage(
             "screen", job, run_dir, view,
             searcher=StudySearcher(proposer, ledger, budget, spec.stages.screen_steps, planner,
                                    job.request.world_size),
-            scheduler=ScreeningScheduler(ledger, campaign, screening=True),
+            scheduler=ScreeningScheduler(ledger, campaign),
             # each trial may run once more after losing its node
-            samples=2 * budget.trials_left(), stopper=BudgetStopper(budget, ledger), watchdog=watchdog,
+            samples=2 * budget.trials_left(), stopper=BudgetStopper(budget, ledger), callbacks=callbacks,
         )
         if (why := budget.exhausted() or budget.plateaued()) is not None:
             view.note(f"screening ended early: {why}")
@@ -168,10 +173,9 @@ def _tune_space(campaign: Campaign, space: SearchSpace, study_name: str, run_dir
         view.note(f"promoting {len(candidates)} config(s) of {space.name} for {spec.stages.promote_steps} steps")
         _run_stage(
             "promote", job, run_dir, view,
-            searcher=ListSearcher(candidates, ledger, space.name, spec.stages.promote_steps, planner,
-                                  job.request.world_size),
-            scheduler=ScreeningScheduler(ledger, campaign, screening=False),
-            samples=2 * len(candidates), stopper=None, watchdog=watchdog,
+            searcher=ListSearcher(candidates, ledger, spec.stages.promote_steps, planner, job.request.world_size),
+            scheduler=FIFOScheduler(),  # promotion runs every step: nothing to decide
+            samples=2 * len(candidates), stopper=None, callbacks=callbacks,
         )
 
 
@@ -224,16 +228,14 @@ def _concurrency(job: TrialJob) -> int:
 
 
 def _run_stage(stage: Stage, job: TrialJob, run_dir: RunDir, view: LiveView, *,
-               searcher, scheduler, samples: int, stopper, watchdog) -> None:
+               searcher, scheduler, samples: int, stopper, callbacks: list) -> None:
+    """One Tune run; ``callbacks`` record every result (first: the view shows what they recorded)."""
     from autotune.engine.tune_roles import ViewCallback
 
     attempt = sum(1 for p in run_dir.ray_storage.glob(f"{stage}-*")) + 1 if run_dir.ray_storage.exists() else 1
     view.stage(stage)
-    # Tune's default loggers would write every step result a second, third and fourth time under
-    # ray/ (JSON, CSV, and TensorBoard, which fsyncs each: 2,259 fsyncs and 6 s of the driver's loop
-    # in bench/overhead.py); steps.jsonl is the record. fit() still looks for their files to build
-    # a result grid the campaign never reads, and warns of each trial's missing files: not news.
-    os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
+    # fit() still looks for the files of Tune's default loggers (off: see below) to build a result
+    # grid the campaign never reads, and warns of each trial's missing files: not news.
     logging.getLogger("ray.tune.analysis.experiment_analysis").setLevel(logging.ERROR)
     tuner = tune.Tuner(
         tune.with_resources(tune.with_parameters(run_trial, job=job), job.trial_resources()),
@@ -251,13 +253,14 @@ def _run_stage(stage: Stage, job: TrialJob, run_dir: RunDir, view: LiveView, *,
             name=f"{stage}-{attempt}",
             storage_path=str(run_dir.ray_storage),
             stop=stopper,
-            callbacks=[ViewCallback(view.refresh), watchdog],
+            callbacks=[*callbacks, ViewCallback(view.refresh)],
             verbose=0,
             failure_config=tune.FailureConfig(max_failures=0),
         ),
     )
     try:
-        tuner.fit()
+        with _without_tune_loggers():
+            tuner.fit()
     except Exception as exc:
         failure = _output_failure(exc)
         if failure is None:
@@ -266,6 +269,23 @@ def _run_stage(stage: Stage, job: TrialJob, run_dir: RunDir, view: LiveView, *,
             f"{failure}; the campaign stopped. Everything it wrote before is intact: free the space "
             f"(or fix the permissions) and run `autotune resume {run_dir.path}`"
         ) from None
+
+
+@contextmanager
+def _without_tune_loggers() -> Iterator[None]:
+    """Tune's default loggers would write every step result a second, third and fourth time under
+    ray/ (JSON, CSV, and TensorBoard, which fsyncs each: the README's overhead row says what that
+    cost the driver's loop); steps.jsonl is the record. Tune reads the switch when a run starts;
+    it is put back after, so other Tune runs of this process (a user's, a test's) keep their logs."""
+    before = os.environ.get(NO_TUNE_LOGGERS)
+    os.environ[NO_TUNE_LOGGERS] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[NO_TUNE_LOGGERS]
+        else:
+            os.environ[NO_TUNE_LOGGERS] = before
 
 
 def _output_failure(exc: BaseException) -> OSError | OutputUnwritable | None:
@@ -279,25 +299,21 @@ def _write_winner(run_dir: RunDir, campaign: Campaign, verdict: Verdict) -> None
     import yaml
 
     winner = verdict.winner
+    estimate = winner.estimate
     extra = {
         "campaign": campaign.spec.name,
-        "objective": {"metric": campaign.spec.objective, "mean": winner["objective"],
-                      "ci_low": winner["estimate"]["ci_low"], "ci_high": winner["estimate"]["ci_high"],
-                      "confidence": winner["estimate"]["confidence"], "steady_steps": winner["estimate"]["window"]},
+        "objective": {"metric": campaign.spec.objective, "mean": winner.objective, "ci_low": estimate.ci_low,
+                      "ci_high": estimate.ci_high, "confidence": estimate.confidence, "steady_steps": estimate.window},
         "verdict": verdict.summary,
-        "tied_with": [e["config"] for e in verdict.tied],
-        "evidence": winner["evidence"],
-        "contract": winner["contract"],
+        "tied_with": [e.config.to_plain() for e in verdict.tied],
+        "evidence": winner.evidence.model_dump(mode="json"),
+        "contract": None if winner.contract is None else winner.contract.to_json(),
         "run_dir": str(run_dir.path.resolve()),
     }
-    config = complete_config(winner["config"])
-    run_dir.write_text(WINNER_FILE, yaml.safe_dump(document(config, campaign.stack.megatron_core, extra), sort_keys=False))
+    document_text = yaml.safe_dump(document(winner.config, campaign.stack.megatron_core, extra), sort_keys=False)
+    run_dir.write_text(WINNER_FILE, document_text)
 
 
-def _earlier_trials(path: Path) -> list[tuple[Any, str, float | None]]:
-    earlier = open_run_dir(path)
-    return [
-        (complete_config(e["config"]), e["outcome"], e.get("objective"))
-        for e in earlier.trials.read()
-        if e["launched"] and e["stage"] == "screen"
-    ]
+def _earlier_trials(path: Path) -> list[tuple[Config, str, float | None]]:
+    return [(e.config, e.outcome, e.objective) for e in open_run_dir(path).trials.read()
+            if e.launched and e.stage == "screen"]

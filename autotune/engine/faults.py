@@ -1,7 +1,7 @@
 """Which failures are the cluster's, not the config's.
 
 A node that dies under a trial (preempted, rebooted, its raylet gone) says nothing about the
-config: the trial is recorded ``failed`` with the reason ``node_lost: ...`` and run once more
+config: the trial is recorded ``failed`` with the cause ``node_lost`` and run once more
 elsewhere (the node is gone), and the study is not told the config failed unless the retry fails
 too. Ray reports a node's death in words (``ActorDiedError`` messages, ``NodeDiedError``) whether
 the trial's own actor died or a Ray Train worker it owned; both arrive here as text.
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-NODE_LOST = "node_lost"
 _NODE_DEATH_MARKERS = ("node has died", "node died", "nodediederror", "node was preempted", "raylet died",
                        "node is dead")
 
@@ -26,9 +25,9 @@ def exception_chain(error: BaseException) -> Iterator[BaseException]:
         current = current.__cause__ or current.__context__
 
 
-def node_lost_reason(error: BaseException | str | None) -> str | None:
-    """``node_lost: <what Ray said>`` when ``error`` (an exception, with its causes, or its text)
-    is a node dying under the trial; ``None`` otherwise."""
+def node_lost(error: BaseException | str | None) -> str | None:
+    """What Ray said of the node dying under the trial, when ``error`` (an exception, with its
+    causes, or its text) is that; ``None`` otherwise."""
     if isinstance(error, BaseException):
         texts = [f"{type(e).__name__}: {e}" for e in exception_chain(error)]
     else:
@@ -36,5 +35,5 @@ def node_lost_reason(error: BaseException | str | None) -> str | None:
     for text in texts:
         for line in text.splitlines():
             if any(marker in line.lower() for marker in _NODE_DEATH_MARKERS):
-                return f"{NODE_LOST}: {line.strip()[:240]}"
+                return f"node lost: {line.strip()[:240]}"
     return None

@@ -15,11 +15,11 @@ from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
 
-from autotune.core.knobs import complete_config
 from autotune.space import SearchSpace
 
 if TYPE_CHECKING:
     from autotune.engine.ledger import Ledger
+    from autotune.engine.records import TrialEntry
     from autotune.engine.tune_roles import Budget
 
 REFRESH_SECONDS = 0.5
@@ -69,18 +69,16 @@ class LiveView:
             self.last_refresh = now
             self.live.update(self.table(), refresh=True)
 
-    def line(self, entry: dict[str, Any]) -> str:
-        config = complete_config(entry["config"])
-        colour = {"ok": "green", "pruned": "yellow"}.get(entry["outcome"], "red")
-        value = f"{entry['objective']:,.1f}" if entry.get("objective") is not None else "-"
-        if not entry["launched"]:
-            return (f"  [dim]{entry['stage']:<7}[/] [{colour}]{entry['outcome']:<13}[/] not launched · "
-                    f"{escape(self.space.describe(config))} · {escape(entry['reason'][:160])}")
-        estimate = entry.get("estimate") or {}
-        spread = f" ±{100 * estimate['relative_half_width']:.1f}%" if estimate else ""
-        return (f"  [dim]{entry['stage']:<7}[/] [{colour}]{entry['outcome']:<13}[/] {value}{spread} "
-                f"{self.objective} · {entry['steps']} steps · {entry['wall_seconds']:.0f} s · "
-                f"{escape(self.space.describe(config))} · [dim]{escape((entry.get('reason') or '')[:120])}[/]")
+    def line(self, entry: TrialEntry) -> str:
+        colour = {"ok": "green", "pruned": "yellow"}.get(entry.outcome, "red")
+        value = f"{entry.objective:,.1f}" if entry.objective is not None else "-"
+        if not entry.launched:
+            return (f"  [dim]{entry.stage:<7}[/] [{colour}]{entry.outcome:<13}[/] not launched · "
+                    f"{escape(self.space.describe(entry.config))} · {escape(entry.reason[:160])}")
+        spread = f" ±{100 * entry.estimate.relative_half_width:.1f}%" if entry.estimate else ""
+        return (f"  [dim]{entry.stage:<7}[/] [{colour}]{entry.outcome:<13}[/] {value}{spread} "
+                f"{self.objective} · {entry.steps} steps · {entry.wall_seconds:.0f} s · "
+                f"{escape(self.space.describe(entry.config))} · [dim]{escape(entry.reason[:120])}[/]")
 
     def table(self) -> Group:
         ledger, budget = self.ledger, self.budget
@@ -89,12 +87,13 @@ class LiveView:
             running.add_column(column)
         for trial in ledger.live.values():
             last = f"{trial.objective[-1]:,.1f}" if trial.objective else "starting"
-            running.add_row(trial.trial_id, str(len(trial.objective)), last, escape(self.space.describe(trial.config)))
+            running.add_row(trial.trial_id, str(len(trial.objective)), last,
+                            escape(self.space.describe(trial.launch.config)))
         counts = ledger.counts()
         best = ledger.best_entry()
         summary = Table.grid(padding=(0, 2))
         summary.add_row(
-            f"best {best['objective']:,.1f} {self.objective}" if best else "best: none yet",
+            f"best {best.objective:,.1f} {self.objective}" if best else "best: none yet",
             " · ".join(f"{name} {counts[name]}" for name in ("ok", "pruned", "oom", "invalid", "oom_predicted", "failed", "hung")),
             f"left: {budget.describe()}",
             f"spent {ledger.device_seconds():,.0f} device-s",

@@ -24,16 +24,23 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections import defaultdict
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Generic, Iterable, Iterator, Protocol, TypeVar
 
 import yaml
 
 from autotune.campaign import Campaign, load_campaign
 from autotune.core.errors import AutotuneError
 from autotune.durable import OutputUnwritable, append_bytes
+from autotune.engine.records import StepEntry, read_trial_entries
+
+
+class _Record(Protocol):
+    def to_json(self) -> dict[str, Any]: ...
+
+
+Line = TypeVar("Line", bound=_Record)
 
 CAMPAIGN_FILE = "campaign.yaml"
 SPACE_FILE = "space.yaml"
@@ -48,15 +55,18 @@ PROBE_FILE = "probe.json"
 REPORT_FILE = "report.html"
 
 
-class JsonLines:
-    """An append-only JSON Lines file."""
+class JsonLines(Generic[Line]):
+    """An append-only JSON Lines file of typed records."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, parse: Callable[[Iterable[dict[str, Any]]], Iterator[Line]]) -> None:
         self.path = path
+        self.parse = parse
+        """Turns the file's lines, in order, into records."""
 
-    def append(self, entry: dict[str, Any], *, sync: bool = True) -> None:
-        """Append one line (see :func:`append_bytes`)."""
-        append_bytes(self.path, (json.dumps(entry, default=str, allow_nan=False) + "\n").encode("utf-8"), sync=sync)
+    def append(self, line: Line, *, sync: bool = True) -> None:
+        """Append one record (see :func:`~autotune.durable.append_bytes`)."""
+        data = json.dumps(line.to_json(), allow_nan=False) + "\n"
+        append_bytes(self.path, data.encode("utf-8"), sync=sync)
 
     def sync(self) -> None:
         """Put every line appended so far on disk."""
@@ -70,21 +80,23 @@ class JsonLines:
         finally:
             os.close(fd)
 
-    def read(self) -> Iterator[dict[str, Any]]:
+    def read(self) -> Iterator[Line]:
         """Every complete line; a last line cut short by a crash is skipped."""
         if not self.path.exists():
             return
         with self.path.open(encoding="utf-8") as handle:
-            for line in handle:
-                if line.endswith("\n"):
-                    yield json.loads(line)
+            yield from self.parse(json.loads(line) for line in handle if line.endswith("\n"))
+
+
+def _steps(lines: Iterable[dict[str, Any]]) -> Iterator[StepEntry]:
+    return (StepEntry.model_validate(line) for line in lines)
 
 
 class RunDir:
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.steps = JsonLines(path / STEPS_FILE)
-        self.trials = JsonLines(path / TRIALS_FILE)
+        self.steps = JsonLines(path / STEPS_FILE, _steps)
+        self.trials = JsonLines(path / TRIALS_FILE, read_trial_entries)
 
     @property
     def study_path(self) -> Path:
@@ -147,20 +159,3 @@ def open_run_dir(path: Path) -> RunDir:
     if not (path / CAMPAIGN_FILE).is_file():
         raise AutotuneError(f"{path} is not a run directory (no {CAMPAIGN_FILE}); pass the folder `autotune run` printed")
     return RunDir(path)
-
-
-def spend(entries: list[dict[str, Any]]) -> dict[str, Any]:
-    """Device-seconds (GPU-seconds, or CPU-slot-seconds on a CPU box) per stage and per outcome."""
-    by_stage: dict[str, float] = defaultdict(float)
-    by_outcome: dict[str, float] = defaultdict(float)
-    for entry in entries:
-        by_stage[entry["stage"]] += entry["device_seconds"]
-        by_outcome[entry["outcome"]] += entry["device_seconds"]
-    return {
-        "unit": "device-seconds (GPU-seconds; CPU-slot-seconds on a CPU box)",
-        "total": sum(by_stage.values()),
-        "by_stage": dict(by_stage),
-        "by_outcome": dict(by_outcome),
-        "trials": {stage: sum(e["launched"] and e["stage"] == stage for e in entries) for stage in ("screen", "promote")},
-        "rejected_before_launch": sum(not e["launched"] for e in entries),
-    }

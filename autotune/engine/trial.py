@@ -1,8 +1,9 @@
 """One Ray Tune trial: run one burst of one config and report every step to Tune.
 
-The trial reports a ``step`` result per training step (the step record, the objective, the run's
-evidence, and the measurement contract on the first step), then an ``end`` result with the
-outcome when the burst ends by itself. When our scheduler stops the trial, Tune's ``report``
+The trial reports a :class:`StepEvent` per training step (the step record, the objective, the run's
+evidence, and the measurement contract on the first step), then an :class:`EndEvent` with the
+outcome when the burst ends by itself; each travels in a Tune result as JSON, and the driver reads
+it back typed (:func:`read_result`). When our scheduler stops the trial, Tune's ``report``
 raises ``SystemExit`` in the trial thread; the reporter turns that into "stop after this step",
 so the burst's ranks end cleanly and the driver already holds everything the trial measured.
 
@@ -18,16 +19,18 @@ Ranks start one of two ways (the campaign's ``hardware.launcher``):
 
 from __future__ import annotations
 
-import json
 import os
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from pydantic import BaseModel, ConfigDict
 from ray import tune
 
 from autotune.bursts import data_folder
-from autotune.core.contract import BurstRequest, BurstResult, StepReport
+from autotune.core.contract import (
+    BurstRequest, BurstResult, Contract, Evidence, Outcome, StepRecord, StepReport, WorkerPlacement,
+)
 from autotune.core.knobs import complete_config
 from autotune.core.registry import REPLAY, burst_runner, rank_runner
 from autotune.engine.placement import NVLINK_DOMAIN_LABEL, label_selectors
@@ -93,31 +96,62 @@ def objective_value(objective: str, tokens_per_second: float, model_flops: float
     return tokens_per_second / world_size
 
 
+class StepEvent(BaseModel):
+    """A step as a trial reports it to the driver."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    objective: float
+    """The step's value of the campaign's objective, per device."""
+    record: StepRecord
+    evidence: Evidence
+    contract: Contract | None
+    """The measurement contract, with the first step only."""
+    elapsed_seconds: float | None
+    """A replayed burst's recorded seconds since launch (see :class:`~autotune.core.contract.StepReport`)."""
+
+
+class EndEvent(BaseModel):
+    """How a trial's burst ended, when it ended by itself."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    outcome: Outcome
+    error: str | None
+    evidence: Evidence
+    contract: Contract | None
+    elapsed_seconds: float | None
+
+
 def step_result(report: StepReport, objective: str, world_size: int) -> dict[str, Any]:
-    """A Tune result for one step. Nested data travels as one JSON text (``payload``): Tune
-    flattens nested result dicts, and the driver wants them back as they were."""
+    """A Tune result for one step. The event travels as one JSON text (``payload``): Tune
+    flattens nested result dicts; the objective also travels on its own, for the scheduler."""
     record = report.record
     value = objective_value(objective, record.tokens_per_second, record.model_flops, record.step_seconds, world_size)
-    payload = {"record": asdict(record), "evidence": report.evidence, "contract": report.contract,
-               "elapsed_seconds": report.elapsed_seconds}
-    return {"event": "step", "objective": value, "payload": json.dumps(payload)}
+    event = StepEvent(objective=value, record=record, evidence=report.evidence, contract=report.contract,
+                      elapsed_seconds=report.elapsed_seconds)
+    return {"event": "step", "objective": value, "payload": event.model_dump_json(exclude_unset=True)}
 
 
 def end_result(result: BurstResult) -> dict[str, Any]:
-    payload = {
-        "outcome": result.outcome,
-        "error": None if result.error is None else result.error[-4000:],
-        "evidence": result.evidence,
-        "contract": result.contract,
-        "elapsed_seconds": result.elapsed_seconds,
-    }
-    return {"event": "end", "payload": json.dumps(payload)}
+    event = EndEvent(outcome=result.outcome, error=None if result.error is None else result.error[-4000:],
+                     evidence=result.evidence, contract=result.contract, elapsed_seconds=result.elapsed_seconds)
+    return {"event": "end", "payload": event.model_dump_json(exclude_unset=True)}
 
 
-def read_result(result: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
-    """The event (``step``, ``end`` or ``None`` for Tune's own results) and its payload."""
-    event = result.get("event")
-    return event, json.loads(result["payload"]) if event in ("step", "end") else {}
+def read_result(result: dict[str, Any]) -> StepEvent | EndEvent | None:
+    """The event a trial reported (``None`` for Tune's own results)."""
+    kind = result.get("event")
+    if kind == "step":
+        return StepEvent.model_validate_json(result["payload"])
+    if kind == "end":
+        return EndEvent.model_validate_json(result["payload"])
+    return None
+
+
+def step_objective(result: dict[str, Any]) -> float | None:
+    """The objective of a step result, without reading its payload; ``None`` for any other result."""
+    return result["objective"] if result.get("event") == "step" else None
 
 
 class _TuneReporter:
@@ -201,17 +235,18 @@ def _worker_loop(config: dict[str, Any]) -> None:
 
     def report_step(report: StepReport) -> bool:
         if report.contract is not None:
-            report = replace(report, contract=report.contract | {"workers": workers})
+            report = replace(report, contract=report.contract.model_copy(update={"workers": tuple(workers)}))
         ray.train.report(step_result(report, job.objective, request.world_size) if rank == 0 else {})
         return True
 
     result = rank_runner(job.trainable)(request, device, report_step)
     if result.contract is not None:
-        result = replace(result, contract=result.contract | {"workers": workers})
+        result = replace(result, contract=result.contract.model_copy(update={"workers": tuple(workers)}))
     ray.train.report(end_result(result) if rank == 0 else {})
 
 
-def _where_this_runs(context: Any) -> dict[str, str | None]:
+def _where_this_runs(context: Any) -> WorkerPlacement:
     """This worker's node and NVLink domain (``None`` on a node without the label)."""
     domain = context.get_node_labels().get(NVLINK_DOMAIN_LABEL)
-    return {"node_id": context.get_node_id(), "nvlink_domain": domain[0] if isinstance(domain, list) else domain}
+    return WorkerPlacement(node_id=context.get_node_id(),
+                           nvlink_domain=domain[0] if isinstance(domain, list) else domain)

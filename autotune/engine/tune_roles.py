@@ -1,12 +1,17 @@
-"""Our parts in Ray Tune's roles: a Searcher that asks the Optuna study, a Scheduler that screens
-each step, a Stopper for the campaign budget, and a Callback that keeps the live view.
+"""Our parts in Ray Tune's roles, one job each: Searchers that propose (the Optuna study while
+screening, a fixed list while promoting), a Scheduler that decides after every step whether a
+screening trial goes on, stops or is pruned, a Stopper for the campaign's budget, and Callbacks that
+record every result, watch for hung trials and refresh the live view.
 
 Tune calls all of them from its controller loop in the driver process, so they share the
-:class:`~autotune.engine.ledger.Ledger` without locks.
+:class:`~autotune.engine.ledger.Ledger` without locks. For each result Tune asks the scheduler
+first and tells the callbacks after, so the scheduler decides on the steps recorded so far and the
+one in hand; a trial that fails is closed by its searcher before the callbacks hear of it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from datetime import datetime, timezone
@@ -20,11 +25,12 @@ from ray.tune.schedulers import FIFOScheduler, TrialScheduler
 from ray.tune.search import Searcher
 
 from autotune.campaign import Campaign
-from autotune.core.knobs import Config
-from autotune.engine.faults import NODE_LOST, node_lost_reason
 from autotune.engine.ledger import Ledger
 from autotune.engine.placement import DomainPlanner
-from autotune.search.proposer import Proposal, Proposer
+from autotune.engine.records import Launch, TrialEntry
+from autotune.engine.trial import step_objective
+from autotune.search.history import Proposal
+from autotune.search.proposer import Proposer
 from autotune.search.screening import screen
 
 log = logging.getLogger(__name__)
@@ -58,13 +64,13 @@ class Budget:
         self.ledger, self.space = ledger, space
 
     def trials_left(self) -> int:
-        running = [t for t in self.ledger.live.values() if t.stage == "screen" and t.space == self.space]
+        running = [t for t in self.ledger.live.values() if t.launch.stage == "screen" and t.launch.space == self.space]
         return max(0, self.spec.max_trials - len(self._counted_screens()) - len(running))
 
-    def _counted_screens(self) -> list[dict[str, Any]]:
+    def _counted_screens(self) -> list[TrialEntry]:
         """The space's finished screens, in finishing order, less those that lost their node (a
         trial that lost its node is run again, and counted once)."""
-        return [e for e in self.ledger.launched("screen", self.space) if not e["reason"].startswith(NODE_LOST)]
+        return [e for e in self.ledger.launched("screen", self.space) if e.cause != "node_lost"]
 
     def plateaued(self) -> str | None:
         """Why screening of the space has stopped paying (``patience`` screens in a row found
@@ -73,8 +79,8 @@ class Budget:
             return None
         best, since = float("-inf"), 0
         for entry in self._counted_screens():
-            if entry["outcome"] == "ok" and entry.get("objective") is not None and entry["objective"] > best:
-                best, since = entry["objective"], 0
+            if entry.outcome == "ok" and entry.objective is not None and entry.objective > best:
+                best, since = entry.objective, 0
             else:
                 since += 1
         if since < self.spec.patience:
@@ -99,51 +105,60 @@ class Budget:
         return " · ".join(parts)
 
 
-class _PlacingSearcher(_DriverOnly, Searcher):
-    """A searcher whose suggestions say where the trial's workers go (``placement``: each
-    worker's NVLink domain, or ``None``), holding those GPUs until the trial completes."""
+class _StageSearcher(_DriverOnly, Searcher):
+    """What both stages' searchers share: each suggestion says where the trial's workers go
+    (``placement``: each worker's NVLink domain, or ``None``), holding those GPUs until the trial
+    completes; a trial that lost its node (the cluster failed, not the config) runs once more, and
+    only how the retry ended counts."""
 
-    def __init__(self, steps: int, planner: DomainPlanner | None, workers: int) -> None:
+    def __init__(self, ledger: Ledger, steps: int, planner: DomainPlanner | None, workers: int) -> None:
         super().__init__()
-        self.steps, self.planner, self.workers = steps, planner, workers
+        self.ledger, self.steps, self.planner, self.workers = ledger, steps, planner, workers
+        self.running: dict[str, Launch] = {}
+        self.retries: list[tuple[Launch, TrialEntry]] = []
+        """Trials that lost their node: the launch that runs them again, and the lost trial's entry."""
 
-    def _params(self, trial_id: str, config: Config) -> dict[str, Any]:
+    def _launch(self, trial_id: str, launch: Launch) -> dict[str, Any]:
+        self.running[trial_id] = launch
+        self.ledger.start(trial_id, launch)
         placement = None
         if self.planner is not None:
             self.planner.observe(ray.nodes())
             placement = self.planner.place(trial_id, self.workers)
-        return {"config": config.to_plain(), "steps": self.steps, "placement": placement}
+        return {"config": launch.config.to_plain(), "steps": self.steps, "placement": placement}
 
-    def _release(self, trial_id: str) -> None:
+    def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
         if self.planner is not None:
             self.planner.release(trial_id)
+        entry = self.ledger.finish(trial_id, errored=error)
+        launch = self.running.pop(trial_id)
+        if entry.cause == "node_lost" and launch.retry_of is None:
+            self.retries.append((dataclasses.replace(launch, retry_of=trial_id), entry))
+        else:
+            self._ended(launch, entry)
+
+    def _ended(self, launch: Launch, entry: TrialEntry) -> None:
+        """The config's trial ended for good (a lost trial's retry included)."""
 
 
-class StudySearcher(_PlacingSearcher):
-    """Screening: each suggestion is the Optuna study's next runnable config. Proposals the rules
-    or the OOM record reject are told to the study and written down without reaching Ray. A trial
-    that lost its node runs once more and counts once against the budget (the cluster failed, not
-    the config); the study hears only how the retry ended."""
+class StudySearcher(_StageSearcher):
+    """Screening: each suggestion is the Optuna study's next runnable config. Proposals a gate
+    rejects are told to the study and written down without reaching Ray; the study hears how each
+    launched config ended (a retry's end, for a trial that lost its node)."""
 
     def __init__(self, proposer: Proposer, ledger: Ledger, budget: Budget, steps: int,
                  planner: DomainPlanner | None = None, workers: int = 1) -> None:
-        super().__init__(steps, planner, workers)
-        self.proposer, self.ledger, self.budget = proposer, ledger, budget
-        self.proposals: dict[str, Proposal] = {}
-        self.retries: list[tuple[Proposal, dict[str, Any]]] = []
-        """Proposals whose trial lost its node, with that trial's entry, waiting to run again."""
-        self.retried: set[int] = set()
+        super().__init__(ledger, steps, planner, workers)
+        self.proposer, self.budget = proposer, budget
+        self.proposals: dict[int, Proposal] = {}
         self.space_exhausted = False
 
     def suggest(self, trial_id: str) -> dict[str, Any] | str | None:
         if self.budget.exhausted():
             return self._finish()
         if self.retries:
-            proposal, _ = self.retries.pop(0)
-            return self._launch(trial_id, proposal, f"{proposal.source}, again after node_lost")
-        if self.budget.trials_left() == 0 or self.space_exhausted:
-            return self._finish()
-        if self.budget.plateaued() is not None:
+            return self._launch(trial_id, self.retries.pop(0)[0])
+        if self.budget.trials_left() == 0 or self.space_exhausted or self.budget.plateaued() is not None:
             return self._finish()
         proposal = self.proposer.propose()
         for rejection in self.proposer.take_rejections():
@@ -152,90 +167,60 @@ class StudySearcher(_PlacingSearcher):
             log.warning("the sampler proposes nothing runnable any more: screening ends")
             self.space_exhausted = True
             return self._finish()
-        return self._launch(trial_id, proposal, proposal.source)
-
-    def _launch(self, trial_id: str, proposal: Proposal, source: str) -> dict[str, Any]:
-        self.proposals[trial_id] = proposal
-        self.ledger.start(trial_id, "screen", self.proposer.space.name, proposal.config, proposal.number, source)
-        return self._params(trial_id, proposal.config)
+        self.proposals[proposal.number] = proposal
+        return self._launch(trial_id, Launch(stage="screen", space=self.proposer.space.name, config=proposal.config,
+                                             origin=proposal.origin, number=proposal.number,
+                                             warm_start=proposal.warm_start))
 
     def _finish(self) -> str | None:
         """Finished once no trial runs (one still running may lose its node and need a retry)."""
-        if self.proposals:
+        if self.running:
             return None
-        for proposal, entry in self.retries:  # retries the budget no longer allows
-            self._tell(proposal, entry)
+        for launch, lost in self.retries:  # retries the budget no longer allows: the study hears the loss
+            self._ended(launch, lost)
         self.retries.clear()
         return Searcher.FINISHED
 
-    def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
-        self._release(trial_id)
-        entry = self.ledger.finish(trial_id, errored=error)
-        proposal = self.proposals.pop(trial_id)
-        if entry["reason"].startswith(NODE_LOST) and proposal.number not in self.retried:
-            self.retried.add(proposal.number)
-            self.retries.append((proposal, entry))
-            return
-        self._tell(proposal, entry)
-
-    def _tell(self, proposal: Proposal, entry: dict[str, Any]) -> None:
+    def _ended(self, launch: Launch, entry: TrialEntry) -> None:
         self.proposer.complete(
-            proposal, entry["outcome"], entry["objective"],
-            peak_memory_bytes=entry["peak_memory_bytes"], cost_seconds=entry["device_seconds"], error=entry["error"],
+            self.proposals.pop(launch.number), entry.outcome, entry.objective,
+            peak_memory_bytes=entry.peak_memory_bytes, cost_seconds=entry.device_seconds, error=entry.error,
         )
 
 
-class ListSearcher(_PlacingSearcher):
-    """Promotion: hands out a fixed list of configs, then is finished; a config whose trial lost
-    its node runs once more."""
+class ListSearcher(_StageSearcher):
+    """Promotion: hands out a fixed list of launches, then is finished."""
 
-    def __init__(self, configs: list[tuple[Config, str]], ledger: Ledger, space: str, steps: int,
-                 planner: DomainPlanner | None = None, workers: int = 1) -> None:
-        super().__init__(steps, planner, workers)
-        self.pending, self.ledger, self.space = list(configs), ledger, space
-        self.running: dict[str, tuple[Config, str]] = {}
-        self.retried: set[Config] = set()
+    def __init__(self, launches: list[Launch], ledger: Ledger, steps: int, planner: DomainPlanner | None = None,
+                 workers: int = 1) -> None:
+        super().__init__(ledger, steps, planner, workers)
+        self.pending = list(launches)
 
     def suggest(self, trial_id: str) -> dict[str, Any] | str | None:
+        if self.retries:
+            return self._launch(trial_id, self.retries.pop(0)[0])
         if not self.pending:
             return None if self.running else Searcher.FINISHED
-        config, source = self.running[trial_id] = self.pending.pop(0)
-        self.ledger.start(trial_id, "promote", self.space, config, None, source)
-        return self._params(trial_id, config)
-
-    def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
-        self._release(trial_id)
-        entry = self.ledger.finish(trial_id, errored=error)
-        config, source = self.running.pop(trial_id)
-        if entry["reason"].startswith(NODE_LOST) and config not in self.retried:
-            self.retried.add(config)
-            self.pending.insert(0, (config, f"{source}, again after node_lost"))
+        return self._launch(trial_id, self.pending.pop(0))
 
 
 class ScreeningScheduler(_DriverOnly, FIFOScheduler):
-    """Reads every step result into the ledger and, when screening, decides after each step:
-    stop once the steady interval is tight enough, prune once its upper bound falls below the
-    best finished trial's lower bound by the margin (see :func:`autotune.search.screening.screen`)."""
+    """Decides after each step of a screening trial: stop once the steady interval is tight
+    enough, prune once its upper bound falls below the best finished trial's lower bound by the
+    margin (:func:`autotune.search.screening.screen`); the trial's entry reports the decision."""
 
-    def __init__(self, ledger: Ledger, campaign: Campaign, screening: bool) -> None:
+    def __init__(self, ledger: Ledger, campaign: Campaign) -> None:
         super().__init__()
-        self.ledger, self.screening = ledger, screening
+        self.ledger = ledger
         self.stages = campaign.spec.stages
 
-    def on_trial_error(self, tune_controller, trial: Trial) -> None:
-        """Tune lost the trial's actor: note whether its node died with it (Tune tells the
-        searcher next, which closes the trial in the ledger). Tune has just written the error's
-        text to the trial's ``error.txt``."""
-        live = self.ledger.live.get(trial.trial_id)
-        if live is not None and trial.error_file and Path(trial.error_file).is_file():
-            live.lost = node_lost_reason(Path(trial.error_file).read_text(errors="replace"))
-
     def on_trial_result(self, tune_controller, trial: Trial, result: dict) -> str:
-        live = self.ledger.record(trial.trial_id, result)
-        if not self.screening or result.get("event") != "step":
+        live = self.ledger.live.get(trial.trial_id)
+        value = step_objective(result)
+        if live is None or value is None:
             return TrialScheduler.CONTINUE
         decision = screen(
-            live.objective,
+            [*live.objective, value],  # the recording callback records this step after the decision
             best=self.ledger.best_screen_estimate(),
             min_warmup=self.stages.warmup_steps,
             target_relative_half_width=self.stages.target_relative_half_width,
@@ -249,19 +234,40 @@ class ScreeningScheduler(_DriverOnly, FIFOScheduler):
 
 
 class BudgetStopper(_DriverOnly, Stopper):
-    """Stops the whole screening stage once the deadline passes or the device-hours are spent."""
+    """Stops the whole screening stage once the deadline passes or the device-hours are spent;
+    the trials it stops are recorded ``pruned`` by the budget."""
 
     def __init__(self, budget: Budget, ledger: Ledger) -> None:
         self.budget, self.ledger = budget, ledger
 
     def __call__(self, trial_id: str, result: dict) -> bool:
-        return False
+        return False  # the budget is the campaign's, never one trial's
 
     def stop_all(self) -> bool:
         if self.budget.exhausted() is None:
             return False
         self.ledger.stopped_by_budget = True
         return True
+
+
+class RecordingCallback(_DriverOnly, Callback):
+    """Records every result of every trial in the ledger (``steps.jsonl``), whatever the scheduler
+    or stopper decided about it, and tells the ledger where Tune writes a trial's error."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+
+    def on_trial_start(self, iteration: int, trials: list[Trial], trial: Trial, **info) -> None:
+        if (live := self.ledger.live.get(trial.trial_id)) is not None:
+            live.error_text = lambda: _read_error(trial.error_file)
+
+    def on_trial_result(self, iteration: int, trials: list[Trial], trial: Trial, result: dict, **info) -> None:
+        if trial.trial_id in self.ledger.live:
+            self.ledger.record(trial.trial_id, result)
+
+
+def _read_error(path: str | None) -> str | None:
+    return Path(path).read_text(errors="replace") if path and Path(path).is_file() else None
 
 
 WATCHDOG_PERIOD_S = 1.0

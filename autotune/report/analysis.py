@@ -18,15 +18,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from autotune.core.knobs import KNOBS, complete_config
-from autotune.engine.promotion import Verdict, decide, leaderboard
-from autotune.engine.rundir import PROBE_FILE, RunDir, open_run_dir, spend
+from autotune.core.contract import Contract
+from autotune.core.knobs import KNOBS
+from autotune.engine.promotion import Leaderboard, Verdict, decide, leaderboard
+from autotune.engine.records import Spend, TrialEntry, spend
+from autotune.engine.rundir import PROBE_FILE, RunDir, open_run_dir
 
 log = logging.getLogger(__name__)
 
 STAGE_PARTS = ("vision_seconds", "projector_seconds", "decoder_seconds", "data_wait_seconds")
 """The parts of a step the trainables time separately (the dispatcher runs inside the decoder)."""
-BRING_UP = "warm_start:bring-up"
+BRING_UP = "bring-up"
+"""The warm start every shipped space begins with (the seed's FSDP-first starting point)."""
 SHAPE_CHECKED = frozenset({"micro_batch_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
                            "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size"})
 """Knobs the contract's ``shapes`` show as run; every other tuned knob needs the trainable's evidence."""
@@ -57,6 +60,37 @@ class StageSplit:
         return max(0.0, self.step_seconds - sum(self.parts.values()))
 
 
+@dataclass(frozen=True)
+class SlicePoint:
+    """One screening trial on one knob's slice."""
+
+    value: str
+    objective: float
+    outcome: str
+    trial_id: str
+
+
+@dataclass(frozen=True)
+class MemoryPoint:
+    """A finished trial's objective against its peak memory."""
+
+    trial_id: str
+    stage: str
+    objective: float
+    peak_gib: float
+    outcome: str
+    config: str
+    pareto: bool
+    """No other point has more useful tokens/s for no more memory."""
+
+
+@dataclass(frozen=True)
+class DeviceHours:
+    by_stage: dict[str, float]
+    by_outcome: dict[str, float]
+    total: float
+
+
 @dataclass
 class RunReport:
     path: Path
@@ -65,86 +99,77 @@ class RunReport:
     """The objective's name, a per-device rate (``useful_tokens_per_s_per_gpu`` by default)."""
     world_size: int
     """Devices per trial."""
-    entries: list[dict[str, Any]]
+    entries: list[TrialEntry]
     verdict: Verdict
-    board: dict[str, Any]
-    baselines: list[dict[str, Any]]
+    board: Leaderboard
+    baselines: list[TrialEntry]
     """The best screening run of each warm start (bring-up first), as the winner's yardstick."""
-    spend: dict[str, Any]
+    spend: Spend
     tuned_knobs: list[str]
     importances: dict[str, dict[str, float]]
     """Per study (one per space): Optuna's parameter importances (fANOVA) over the trials that ran."""
     stage_splits: list[StageSplit]
-    contract: dict[str, Any] | None
+    contract: Contract | None
     """The winner's measurement contract (else the first recorded one)."""
-    probe: dict[str, Any] | None
-    """What the campaign's nodes run (``probe.json``), which the configs were judged against."""
+    probe: list[dict[str, Any]] | None
+    """What the campaign's nodes run (``probe.json``, one probe per node), which the configs were judged against."""
     flags: list[Flag] = field(default_factory=list)
 
     # -- views ---------------------------------------------------------------------------------
-    def launched(self, stage: str | None = None) -> list[dict[str, Any]]:
-        return [e for e in self.entries if e["launched"] and (stage is None or e["stage"] == stage)]
+    def launched(self, stage: str | None = None) -> list[TrialEntry]:
+        return [e for e in self.entries if e.launched and (stage is None or e.stage == stage)]
 
     @property
-    def winner(self) -> dict[str, Any] | None:
+    def winner(self) -> TrialEntry | None:
         return self.verdict.winner
 
     @property
-    def bring_up(self) -> dict[str, Any] | None:
+    def bring_up(self) -> TrialEntry | None:
         """The space's ``bring-up`` warm start as screened (the seed's FSDP-first starting point)."""
-        return next((b for b in self.baselines if b["source"] == BRING_UP), None)
+        return next((b for b in self.baselines if b.warm_start == BRING_UP), None)
 
     def gain_over_bring_up(self) -> float | None:
         """The winner's objective (per device) over bring-up's screening figure, less one."""
-        if self.winner is None or self.bring_up is None or not self.bring_up.get("objective"):
+        if self.winner is None or self.bring_up is None or not self.bring_up.objective:
             return None
-        return self.winner["objective"] / self.bring_up["objective"] - 1
+        return self.winner.objective / self.bring_up.objective - 1
 
-    def device_hours(self) -> dict[str, dict[str, float]]:
-        """Device-hours by stage and by outcome (the spend is in device-seconds)."""
-        return {
-            "by_stage": {k: v / 3600 for k, v in self.spend.get("by_stage", {}).items()},
-            "by_outcome": {k: v / 3600 for k, v in self.spend.get("by_outcome", {}).items()},
-            "total": {"all": self.spend.get("total", 0.0) / 3600},
-        }
+    def device_hours(self) -> DeviceHours:
+        return DeviceHours(by_stage={k: v / 3600 for k, v in self.spend.by_stage.items()},
+                           by_outcome={k: v / 3600 for k, v in self.spend.by_outcome.items()},
+                           total=self.spend.total / 3600)
 
-    def knob_slices(self) -> dict[str, list[dict[str, Any]]]:
+    def knob_slices(self) -> dict[str, list[SlicePoint]]:
         """For each tuned knob, every screening trial's objective (ok or pruned) and its value."""
-        slices: dict[str, list[dict[str, Any]]] = {}
-        screened = [e for e in self.launched("screen") if e.get("objective") is not None
-                    and e["outcome"] in ("ok", "pruned")]
-        for knob in self.tuned_knobs:
-            slices[knob] = [{"value": KNOBS[knob].format(complete_config(e["config"])[knob]),
-                             "objective": e["objective"], "outcome": e["outcome"], "trial_id": e["trial_id"]}
-                            for e in screened]
-        return slices
+        screened = [e for e in self.launched("screen") if e.objective is not None and e.outcome in ("ok", "pruned")]
+        return {knob: [SlicePoint(KNOBS[knob].format(e.config[knob]), e.objective, e.outcome, e.trial_id)
+                       for e in screened]
+                for knob in self.tuned_knobs}
 
-    def memory_points(self) -> list[dict[str, Any]]:
-        """Finished trials with an objective and a peak memory, marked when on the Pareto front
-        (no other point has more useful tokens/s for no more memory)."""
-        points = [{"trial_id": e["trial_id"], "stage": e["stage"], "objective": e["objective"],
-                   "peak_gib": e["peak_memory_bytes"] / 2**30, "outcome": e["outcome"],
-                   "config": complete_config(e["config"]).describe()}
-                  for e in self.launched() if e.get("objective") is not None and e.get("peak_memory_bytes")
-                  and e["outcome"] in ("ok", "pruned")]
-        for point in points:
-            point["pareto"] = not any(
-                other["objective"] >= point["objective"] and other["peak_gib"] <= point["peak_gib"]
-                and (other["objective"] > point["objective"] or other["peak_gib"] < point["peak_gib"])
-                for other in points)
-        return points
+    def memory_points(self) -> list[MemoryPoint]:
+        """Finished trials with an objective and a peak memory, marked when on the Pareto front."""
+        ran = [e for e in self.launched() if e.objective is not None and e.peak_memory_bytes
+               and e.outcome in ("ok", "pruned")]
+
+        def dominated(entry: TrialEntry) -> bool:
+            return any(other.objective >= entry.objective and other.peak_memory_bytes <= entry.peak_memory_bytes
+                       and (other.objective > entry.objective or other.peak_memory_bytes < entry.peak_memory_bytes)
+                       for other in ran)
+
+        return [MemoryPoint(e.trial_id, e.stage, e.objective, e.peak_memory_bytes / 2**30, e.outcome,
+                            e.config.describe(), not dominated(e)) for e in ran]
 
     def outcome_map(self) -> dict[tuple[str, str], Counter]:
         """Outcomes of every proposal (launched or rejected) over MBS x recompute."""
         cells: dict[tuple[str, str], Counter] = defaultdict(Counter)
         for entry in self.entries:
-            if entry["stage"] != "screen":
+            if entry.stage != "screen":
                 continue
-            config = complete_config(entry["config"])
+            config = entry.config
             recompute = config.recompute_granularity
             if recompute == "selective":
                 recompute = f"selective {KNOBS['recompute_modules'].format(config['recompute_modules'])}"
-            cells[(str(config.micro_batch_size), recompute)][entry["outcome"]] += 1
+            cells[(str(config.micro_batch_size), recompute)][entry.outcome] += 1
         return dict(cells)
 
 
@@ -153,8 +178,7 @@ def load_report(path: Path) -> RunReport:
     run_dir = open_run_dir(path)
     campaign = run_dir.load_campaign()
     entries = list(run_dir.trials.read())
-    promoted = [e for e in entries if e["launched"] and e["stage"] == "promote"]
-    verdict = decide(promoted)
+    verdict = decide([e for e in entries if e.launched and e.stage == "promote"])
     tuned = list(dict.fromkeys([*campaign.space.tuned, *(campaign.next_space.tuned if campaign.next_space else [])]))
     report = RunReport(
         path=run_dir.path,
@@ -169,7 +193,8 @@ def load_report(path: Path) -> RunReport:
         tuned_knobs=tuned,
         importances=_importances(run_dir),
         stage_splits=_stage_splits(run_dir, entries, verdict),
-        contract=(verdict.winner or next((e for e in entries if e.get("contract")), {})).get("contract"),
+        contract=verdict.winner.contract if verdict.winner is not None else
+        next((e.contract for e in entries if e.contract is not None), None),
         probe=_read_json(run_dir.path / PROBE_FILE),
     )
     report.flags = _flags(report, campaign)
@@ -180,14 +205,14 @@ def _read_json(path: Path) -> Any:
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
 
 
-def _baselines(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    best: dict[str, dict[str, Any]] = {}
+def _baselines(entries: list[TrialEntry]) -> list[TrialEntry]:
+    best: dict[str, TrialEntry] = {}
     for entry in entries:
-        if entry["launched"] and entry["stage"] == "screen" and entry["source"].startswith("warm_start:"):
-            held = best.get(entry["source"])
-            if held is None or (entry.get("objective") or 0) > (held.get("objective") or 0):
-                best[entry["source"]] = entry
-    return sorted(best.values(), key=lambda e: e["source"] != BRING_UP)
+        if entry.launched and entry.stage == "screen" and entry.origin == "warm_start":
+            held = best.get(entry.warm_start)
+            if held is None or (entry.objective or 0) > (held.objective or 0):
+                best[entry.warm_start] = entry
+    return sorted(best.values(), key=lambda e: e.warm_start != BRING_UP)
 
 
 def _importances(run_dir: RunDir) -> dict[str, dict[str, float]]:
@@ -219,38 +244,37 @@ def _importances(run_dir: RunDir) -> dict[str, dict[str, float]]:
     return found
 
 
-def _stage_splits(run_dir: RunDir, entries: list[dict[str, Any]], verdict: Verdict) -> list[StageSplit]:
+def _stage_splits(run_dir: RunDir, entries: list[TrialEntry], verdict: Verdict) -> list[StageSplit]:
     """The promoted runs (else the three best screened), split over their steady windows."""
-    chosen = [e for e in entries if e["launched"] and e["stage"] == "promote" and e["outcome"] == "ok"]
+    chosen = [e for e in entries if e.launched and e.stage == "promote" and e.outcome == "ok"]
     if not chosen:
-        chosen = sorted((e for e in entries if e["launched"] and e.get("objective") is not None),
-                        key=lambda e: -e["objective"])[:3]
-    chosen.sort(key=lambda e: -(e.get("objective") or 0.0))
-    wanted = {e["trial_id"]: e for e in chosen}
-    records: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        chosen = sorted((e for e in entries if e.launched and e.objective is not None), key=lambda e: -e.objective)[:3]
+    chosen.sort(key=lambda e: -(e.objective or 0.0))
+    wanted = {e.trial_id: e for e in chosen}
+    records = defaultdict(list)
     for line in run_dir.steps.read():
-        if line["trial_id"] in wanted:
-            records[line["trial_id"]].append(line["record"])
+        if line.trial_id in wanted:
+            records[line.trial_id].append(line.record)
     splits = []
     for trial_id, entry in wanted.items():
-        window = (entry.get("contract") or {}).get("steady_window") or {}
-        first = window.get("first_step", 0)
-        steady = [r for r in records[trial_id] if r["step"] >= first] or records[trial_id]
+        window = entry.contract.steady_window if entry.contract is not None else None
+        first = window.first_step if window is not None else 0
+        steady = [r for r in records[trial_id] if r.step >= first] or records[trial_id]
         if not steady:
             continue
-        label = ("winner: " if verdict.winner and verdict.winner["trial_id"] == trial_id else "") + \
-            complete_config(entry["config"]).describe()
+        winner = verdict.winner is not None and verdict.winner.trial_id == trial_id
         splits.append(StageSplit(
-            trial_id, label, statistics.fmean(r["step_seconds"] for r in steady),
-            {part: statistics.fmean(r[part] for r in steady) for part in STAGE_PARTS}))
+            trial_id, ("winner: " if winner else "") + entry.config.describe(),
+            statistics.fmean(r.step_seconds for r in steady),
+            {part: statistics.fmean(getattr(r, part) for r in steady) for part in STAGE_PARTS}))
     return splits
 
 
 def _flags(report: RunReport, campaign) -> list[Flag]:
     flags: list[Flag] = []
     launched = report.launched()
-    mock = [e for e in launched if e.get("benchmark_only")
-            or ((e.get("contract") or {}).get("data") or {}).get("realism") not in (None, "real", "realistic")]
+    mock = [e for e in launched if e.benchmark_only
+            or (e.contract is not None and e.contract.data is not None and e.contract.data.realism == "mock")]
     if mock:
         flags.append(Flag("warning", f"mock (image-free) data in {len(mock)} trial(s): benchmark-only, "
                                      "never a throughput conclusion"))
@@ -264,14 +288,14 @@ def _flags(report: RunReport, campaign) -> list[Flag]:
         flags.append(Flag("warning", f"tie: {len(report.verdict.tied)} promoted config(s) within the winner's "
                                      "interval; the ranking between them is noise"))
     for entry, why in report.verdict.disqualified:
-        flags.append(Flag("warning", f"{entry['trial_id']} ruled out: {why}"))
-    promoted = [e for e in report.launched("promote") if e["outcome"] == "ok"]
+        flags.append(Flag("warning", f"{entry.trial_id} ruled out: {why}"))
+    promoted = [e for e in report.launched("promote") if e.outcome == "ok"]
     unchecked = sorted({knob for e in promoted for knob in report.tuned_knobs
-                        if knob not in SHAPE_CHECKED and knob not in ((e.get("evidence") or {}).get("checks") or {})})
+                        if knob not in SHAPE_CHECKED and knob not in e.evidence.checks})
     if unchecked:
         flags.append(Flag("warning", f"no runtime evidence that these tuned knobs took effect in the promoted "
                                      f"runs: {', '.join(unchecked)}"))
-    if campaign.replay_table is not None or any((e.get("contract") or {}).get("trainable") == "replay"
+    if campaign.replay_table is not None or any(e.contract is not None and e.contract.trainable == "replay"
                                                  for e in launched):
         flags.append(Flag("note", "replayed from a recorded table: throughput as recorded, no stage split"))
     if not report.stage_splits or all(sum(s.parts.values()) == 0 for s in report.stage_splits):

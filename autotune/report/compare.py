@@ -8,14 +8,29 @@ realism); otherwise the comparison says why not instead of a ratio.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass, fields
 from typing import Any
 
-from autotune.core.knobs import complete_config
+from autotune.core.contract import Shapes
+from autotune.core.knobs import Config
 from autotune.report.analysis import RunReport
 
-WORKLOAD_KEYS = ("model", "seq_length", "images", "data_realism", "precision", "objective")
-"""What must match for two runs' rates to compare."""
+
+@dataclass(frozen=True)
+class Workload:
+    """What must match for two runs' rates to compare."""
+
+    model: str | None
+    seq_length: int | None
+    images: Any
+    """The model's image policy (pixel bounds, images per sample)."""
+    data_realism: str | None
+    precision: str | None
+    objective: str
+
+    def differences(self, other: "Workload") -> list[str]:
+        return [f"{f.name}: {mine!r} against {theirs!r}"
+                for f, mine, theirs in zip(fields(self), astuple(self), astuple(other)) if mine != theirs]
 
 
 @dataclass(frozen=True)
@@ -30,8 +45,8 @@ class Side:
     ci_high: float | None
     stage: str
     """Where the figure comes from: the verdict's winner, else the best screened trial."""
-    workload: dict[str, Any]
-    shapes: dict[str, Any]
+    workload: Workload
+    shapes: Shapes | None
 
 
 @dataclass(frozen=True)
@@ -45,8 +60,7 @@ class Comparison:
     verdict: str
 
 
-def layout(config_plain: dict[str, Any]) -> str:
-    config = complete_config(config_plain)
+def layout(config: Config) -> str:
     if config.use_megatron_fsdp or config.use_torch_fsdp2:
         kind = "Megatron-FSDP" if config.use_megatron_fsdp else "torch FSDP2"
         sharding = f" {config.data_parallel_sharding_strategy}" if config.data_parallel_sharding_strategy else ""
@@ -59,33 +73,33 @@ def layout(config_plain: dict[str, Any]) -> str:
 
 
 def side(report: RunReport) -> Side:
-    best = report.winner or max((e for e in report.launched("screen") if e.get("objective") is not None),
-                                key=lambda e: e["objective"], default=None)
-    contract = (best or {}).get("contract") or report.contract or {}
-    model = contract.get("model") or {}
-    estimate = (best or {}).get("estimate") or {}
+    best = report.winner or max((e for e in report.launched("screen") if e.objective is not None),
+                                key=lambda e: e.objective, default=None)
+    contract = (best.contract if best is not None else None) or report.contract
+    model = (contract.model if contract is not None else None) or {}
+    estimate = best.estimate if best is not None else None
     return Side(
         name=report.campaign, path=str(report.path),
-        layout=layout(best["config"]) if best else "nothing ran",
+        layout=layout(best.config) if best else "nothing ran",
         devices_per_trial=report.world_size,
-        objective=(best or {}).get("objective"), ci_low=estimate.get("ci_low"), ci_high=estimate.get("ci_high"),
+        objective=best.objective if best else None,
+        ci_low=estimate.ci_low if estimate else None, ci_high=estimate.ci_high if estimate else None,
         stage="winner" if report.winner else "best screened (no verdict)",
-        workload={"model": model.get("name"), "seq_length": model.get("seq_length"), "images": model.get("images"),
-                  "data_realism": (contract.get("data") or {}).get("realism"),
-                  "precision": contract.get("precision"), "objective": report.objective},
-        shapes=contract.get("shapes") or {},
+        workload=Workload(
+            model=model.get("name"), seq_length=model.get("seq_length"), images=model.get("images"),
+            data_realism=contract.data.realism if contract is not None and contract.data is not None else None,
+            precision=contract.precision if contract is not None else None, objective=report.objective),
+        shapes=contract.shapes if contract is not None else None,
     )
 
 
 def compare(a: RunReport, b: RunReport) -> Comparison:
     left, right = side(a), side(b)
-    differences = [f"{key}: {left.workload[key]!r} against {right.workload[key]!r}"
-                   for key in WORKLOAD_KEYS if left.workload[key] != right.workload[key]]
+    differences = left.workload.differences(right.workload)
     if left.objective is None or right.objective is None:
         missing = a.campaign if left.objective is None else b.campaign
         return Comparison(left, right, False, differences, None, f"{missing} has no finished trial to compare")
-    if any(realism not in ("real", "realistic") for realism in (left.workload["data_realism"],
-                                                               right.workload["data_realism"])):
+    if any(side.workload.data_realism != "real" for side in (left, right)):
         differences.append("mock data: benchmark-only, never a throughput comparison")
     if differences:
         return Comparison(left, right, False, differences, None,

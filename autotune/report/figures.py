@@ -12,7 +12,6 @@ import math
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from autotune.core.knobs import complete_config
 from autotune.report.analysis import OUTCOMES, STAGE_PARTS, RunReport
 
 OUTCOME_COLOURS = {"ok": "#2a9d8f", "pruned": "#8ab17d", "oom": "#e76f51", "invalid": "#9b5de5",
@@ -29,17 +28,15 @@ def _layout(fig: go.Figure, title: str, height: int = 420) -> go.Figure:
 def intervals(report: RunReport) -> go.Figure:
     """Promoted configs and the warm-start baselines: mean with its 95 % interval."""
     rows = []
-    for row in report.board["rows"]:
-        if row.get("objective") is None:
+    for row in report.board.rows:
+        if row.objective is None:
             continue
-        tag = "winner" if row["winner"] else ("tied" if row["tied_with_winner"] else "promoted")
-        rows.append((f"#{row['rank']} {tag}", row["objective"], row["ci_low"], row["ci_high"],
-                     complete_config(row["config"]).describe()))
+        tag = "winner" if row.winner else ("tied" if row.tied_with_winner else "promoted")
+        rows.append((f"#{row.rank} {tag}", row.objective, row.ci_low, row.ci_high, row.config.describe()))
     for base in report.baselines:
-        if base.get("objective") is not None:
-            estimate = base["estimate"]
-            rows.append((f"{base['source'].removeprefix('warm_start:')} (screen)", base["objective"],
-                         estimate["ci_low"], estimate["ci_high"], complete_config(base["config"]).describe()))
+        if base.estimate is not None:
+            rows.append((f"{base.warm_start} (screen)", base.objective, base.estimate.ci_low, base.estimate.ci_high,
+                         base.config.describe()))
     fig = go.Figure(go.Scatter(
         x=[r[1] for r in rows], y=[r[0] for r in rows], mode="markers",
         error_x={"type": "data", "symmetric": False, "array": [r[3] - r[1] for r in rows],
@@ -54,23 +51,23 @@ def intervals(report: RunReport) -> go.Figure:
 def knob_slices(report: RunReport) -> go.Figure:
     """Each tuned knob: the screened objective of every trial, by the knob's value."""
     slices = report.knob_slices()
-    knobs = [k for k, points in slices.items() if len({p["value"] for p in points}) > 1] or list(slices)
+    knobs = [k for k, points in slices.items() if len({p.value for p in points}) > 1] or list(slices)
     columns = min(3, max(1, len(knobs)))
     rows = max(1, math.ceil(len(knobs) / columns))
     fig = make_subplots(rows=rows, cols=columns, subplot_titles=knobs, shared_yaxes=True)
     for index, knob in enumerate(knobs):
         points = slices[knob]
         for outcome in ("ok", "pruned"):
-            chosen = [p for p in points if p["outcome"] == outcome]
+            chosen = [p for p in points if p.outcome == outcome]
             fig.add_trace(go.Scatter(
-                x=[p["value"] for p in chosen], y=[p["objective"] for p in chosen], mode="markers",
+                x=[p.value for p in chosen], y=[p.objective for p in chosen], mode="markers",
                 name=outcome, legendgroup=outcome, showlegend=index == 0,
                 marker={"color": OUTCOME_COLOURS[outcome], "size": 9, "opacity": 0.8},
-                customdata=[p["trial_id"] for p in chosen],
+                customdata=[p.trial_id for p in chosen],
                 hovertemplate="%{x}: %{y:,.0f}<br>trial %{customdata}<extra></extra>"),
                 row=index // columns + 1, col=index % columns + 1)
     for index, knob in enumerate(knobs):  # values in their natural order, not in the order trials ran
-        values = sorted({p["value"] for p in slices[knob]}, key=_natural)
+        values = sorted({p.value for p in slices[knob]}, key=_natural)
         fig.update_xaxes(type="category", categoryorder="array", categoryarray=values,
                          row=index // columns + 1, col=index % columns + 1)
     return _layout(fig, f"Screened {report.objective} against each knob", 300 * rows + 80)
@@ -100,16 +97,16 @@ def pareto(report: RunReport) -> go.Figure:
     points = report.memory_points()
     fig = go.Figure()
     for on_front in (False, True):
-        chosen = [p for p in points if p["pareto"] == on_front]
+        chosen = [p for p in points if p.pareto == on_front]
         fig.add_trace(go.Scatter(
-            x=[p["peak_gib"] for p in chosen], y=[p["objective"] for p in chosen], mode="markers",
+            x=[p.peak_gib for p in chosen], y=[p.objective for p in chosen], mode="markers",
             name="Pareto front" if on_front else "other trials",
             marker={"size": 11 if on_front else 8, "color": "#e76f51" if on_front else "#8d99ae"},
-            customdata=[f"{p['stage']} {p['trial_id']}: {p['config']}" for p in chosen],
+            customdata=[f"{p.stage} {p.trial_id}: {p.config}" for p in chosen],
             hovertemplate="%{y:,.0f} at %{x:.2f} GiB<br>%{customdata}<extra></extra>"))
-    front = sorted((p for p in points if p["pareto"]), key=lambda p: p["peak_gib"])
+    front = sorted((p for p in points if p.pareto), key=lambda p: p.peak_gib)
     if len(front) > 1:
-        fig.add_trace(go.Scatter(x=[p["peak_gib"] for p in front], y=[p["objective"] for p in front], mode="lines",
+        fig.add_trace(go.Scatter(x=[p.peak_gib for p in front], y=[p.objective for p in front], mode="lines",
                                  line={"color": "#e76f51", "dash": "dot"}, showlegend=False, hoverinfo="skip"))
     fig.update_xaxes(title="peak memory per device (GiB)")
     fig.update_yaxes(title=report.objective)
@@ -163,12 +160,12 @@ def stage_split(report: RunReport) -> go.Figure | None:
 def spend(report: RunReport) -> go.Figure:
     hours = report.device_hours()
     fig = make_subplots(rows=1, cols=2, subplot_titles=("by stage", "by outcome"))
-    stages = hours["by_stage"]
+    stages = hours.by_stage
     fig.add_trace(go.Bar(x=list(stages), y=list(stages.values()), marker={"color": "#264653"}, showlegend=False,
                          hovertemplate="%{x}: %{y:.4f} device-hours<extra></extra>"), row=1, col=1)
-    outcomes = {o: v for o, v in hours["by_outcome"].items() if v > 0}
+    outcomes = {o: v for o, v in hours.by_outcome.items() if v > 0}
     fig.add_trace(go.Bar(x=list(outcomes), y=list(outcomes.values()), showlegend=False,
                          marker={"color": [OUTCOME_COLOURS.get(o, "#6c757d") for o in outcomes]},
                          hovertemplate="%{x}: %{y:.4f} device-hours<extra></extra>"), row=1, col=2)
     fig.update_yaxes(title="device-hours", row=1, col=1)
-    return _layout(fig, f"Device-hours spent: {hours['total']['all']:.3f} in all")
+    return _layout(fig, f"Device-hours spent: {hours.total:.3f} in all")

@@ -13,7 +13,6 @@ from typing import Any
 
 import plotly.offline
 
-from autotune.core.knobs import complete_config
 from autotune.report import figures
 from autotune.report.analysis import RunReport
 
@@ -42,47 +41,50 @@ def _leaderboard(report: RunReport) -> str:
     head = ("<tr><th>#</th><th>status</th><th>space</th><th>config</th><th>objective</th><th>95 % low</th>"
             "<th>95 % high</th><th>screened</th><th>steps</th></tr>")
     rows = []
-    for row in report.board["rows"]:
-        status = "winner" if row["winner"] else ("tied" if row["tied_with_winner"] else (
-            f"ruled out: {row['ruled_out']}" if row["ruled_out"] else row["outcome"]))
+    for row in report.board.rows:
+        status = "winner" if row.winner else ("tied" if row.tied_with_winner else (
+            f"ruled out: {row.ruled_out}" if row.ruled_out else row.outcome))
         rows.append(
-            f'<tr class="{"winner" if row["winner"] else "promoted"}" data-trial="{escape(row["trial_id"])}">'
-            f"<td>{row['rank']}</td><td>{escape(status)}</td><td>{escape(row['space'])}</td>"
-            f"<td>{escape(complete_config(row['config']).describe())}</td>"
-            f"{_number(row['objective'], field='objective')}{_number(row['ci_low'], field='ci_low')}"
-            f"{_number(row['ci_high'], field='ci_high')}{_number(row['screen_objective'], field='screen_objective')}"
-            f"<td>{row['steps']} ({row['steady_steps'] or 0} steady)</td></tr>")
+            f'<tr class="{"winner" if row.winner else "promoted"}" data-trial="{escape(row.trial_id)}">'
+            f"<td>{row.rank}</td><td>{escape(status)}</td><td>{escape(row.space)}</td>"
+            f"<td>{escape(row.config.describe())}</td>"
+            f"{_number(row.objective, field='objective')}{_number(row.ci_low, field='ci_low')}"
+            f"{_number(row.ci_high, field='ci_high')}{_number(row.screen_objective, field='screen_objective')}"
+            f"<td>{row.steps} ({row.steady_steps or 0} steady)</td></tr>")
     for base in report.baselines:
-        estimate = base.get("estimate") or {}
+        estimate = base.estimate
         rows.append(
-            f'<tr class="baseline" data-trial="{escape(base["trial_id"])}"><td></td>'
-            f"<td>baseline {escape(base['source'].removeprefix('warm_start:'))}: {escape(base['outcome'])}</td>"
-            f"<td>{escape(base['space'])}</td><td>{escape(complete_config(base['config']).describe())}</td>"
-            f"{_number(base.get('objective'), field='objective')}{_number(estimate.get('ci_low'), field='ci_low')}"
-            f"{_number(estimate.get('ci_high'), field='ci_high')}<td></td><td>{base['steps']} (screen)</td></tr>")
+            f'<tr class="baseline" data-trial="{escape(base.trial_id)}"><td></td>'
+            f"<td>baseline {escape(base.warm_start)}: {escape(base.outcome)}</td>"
+            f"<td>{escape(base.space)}</td><td>{escape(base.config.describe())}</td>"
+            f"{_number(base.objective, field='objective')}"
+            f"{_number(estimate.ci_low if estimate else None, field='ci_low')}"
+            f"{_number(estimate.ci_high if estimate else None, field='ci_high')}<td></td>"
+            f"<td>{base.steps} (screen)</td></tr>")
     return f'<table id="leaderboard">{head}{"".join(rows)}</table>'
 
 
 def _spend_table(report: RunReport) -> str:
     hours = report.device_hours()
     cells = "".join(f"<tr><td>{escape(group)}</td><td>{escape(key)}</td>{_number(value, 4, f'{group}:{key}')}</tr>"
-                    for group in ("by_stage", "by_outcome") for key, value in hours[group].items())
+                    for group, split in (("by_stage", hours.by_stage), ("by_outcome", hours.by_outcome))
+                    for key, value in split.items())
     return (f'<table id="spend"><tr><th>split</th><th></th><th>device-hours</th></tr>{cells}'
-            f"<tr><td>total</td><td></td>{_number(hours['total']['all'], 4, 'total')}</tr></table>")
+            f"<tr><td>total</td><td></td>{_number(hours.total, 4, 'total')}</tr></table>")
 
 
 def _headline(report: RunReport) -> str:
     parts = []
     if report.winner is not None:
-        estimate = report.winner["estimate"]
-        parts.append(f'<div>winner<b id="winner-objective" data-value="{report.winner["objective"]!r}">'
-                     f'{report.winner["objective"]:,.0f}</b>{escape(report.objective)} '
-                     f'(95 % {estimate["ci_low"]:,.0f}–{estimate["ci_high"]:,.0f})</div>')
+        winner = report.winner
+        parts.append(f'<div>winner<b id="winner-objective" data-value="{winner.objective!r}">'
+                     f'{winner.objective:,.0f}</b>{escape(report.objective)} '
+                     f'(95 % {winner.estimate.ci_low:,.0f}–{winner.estimate.ci_high:,.0f})</div>')
     gain = report.gain_over_bring_up()
     if gain is not None:
         parts.append(f'<div>over bring-up<b id="gain" data-value="{gain!r}">{gain:+.1%}</b>'
-                     f'bring-up screened {report.bring_up["objective"]:,.0f}</div>')
-    total = report.device_hours()["total"]["all"]
+                     f'bring-up screened {report.bring_up.objective:,.0f}</div>')
+    total = report.device_hours().total
     parts.append(f'<div>spent<b id="device-hours" data-value="{total!r}">{total:.3f}</b>device-hours, '
                  f"{len(report.launched())} trials launched</div>")
     return f'<div class="headline">{"".join(parts)}</div>'
@@ -97,7 +99,8 @@ def _figure(fig: Any, div_id: str) -> str:
 
 def render_html(report: RunReport) -> str:
     flags = "".join(f'<li class="{f.severity}">{escape(f.text)}</li>' for f in report.flags)
-    contract = json.dumps({"winner (else first trial)": report.contract or "no contract recorded",
+    contract = json.dumps({"winner (else first trial)": report.contract.to_json() if report.contract
+                           else "no contract recorded",
                            "cluster probe": report.probe or "no probe recorded"}, indent=1, default=str)
     sections = [
         ("Leaderboard", _headline(report) + _leaderboard(report) + _figure(figures.intervals(report), "intervals")),

@@ -72,12 +72,6 @@ def violations(config: Config, context: RuleContext) -> list[Violation]:
 # -- derived quantities rules share -----------------------------------------------------------
 
 
-def expert_tensor_parallel(config: Config) -> int:
-    """ETP as Megatron resolves it (``None`` means the same as TP)."""
-    etp = config.expert_tensor_parallel_size
-    return config.tensor_model_parallel_size if etp is None else etp
-
-
 def per_layer_graphs(config: Config) -> bool:
     return config.cuda_graph_impl in PER_LAYER_GRAPH_IMPLS
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from autotune.core.knobs import Config
-from autotune.rules._base import RuleContext, expert_tensor_parallel, rule
+from autotune.core.knobs import Config, expert_tensor_parallel
+from autotune.rules._base import RuleContext, rule
 
 
 @rule(

@@ -4,8 +4,9 @@ Optuna's ``JournalFileBackend`` serves any number of processes sharing a file: e
 re-reads the file from where that process last stopped, and every write takes the file's lock,
 opens it and fsyncs it. A campaign's study has one writer, its driver (``optuna-dashboard`` only
 reads it, and takes the same lock for the notes it writes), and a trial makes a dozen writes
-(each parameter, each attribute, its state): on this box the journal was a third of the
-proposer's time, and on a cluster's shared file system an fsync costs milliseconds.
+(each parameter, each attribute, its state): that many locks and fsyncs were much of the
+proposer's time (the README's overhead row), and on a cluster's shared file system an fsync costs
+milliseconds.
 
 So this backend keeps the same file, in the same format (Optuna's backend and the dashboard read
 it), but reads it once, keeps the logs it appends in memory, writes the dozen logs of a proposal or

@@ -7,6 +7,8 @@ Text tokens are about 4× denser than a BPE tokenizer's, which the useful-token 
 
 from __future__ import annotations
 
+NAME = "byte-level"
+"""The tokenizer as the measurement contract names it (token counts depend on it)."""
 PAD = 256
 BOS = 257
 EOS = 258

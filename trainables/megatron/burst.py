@@ -11,20 +11,28 @@ from __future__ import annotations
 
 import gc
 import importlib.util
-import platform
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 
-from autotune.core.contract import BurstRequest, BurstResult, Reporter, StepRecord, StepReport
+from autotune.core.contract import (
+    BurstRequest,
+    BurstResult,
+    Contract,
+    Evidence,
+    InvalidConfig,
+    Reporter,
+    Shapes,
+    StepRecord,
+)
 from trainables.data.loader import MicroBatch, rank_loader
-from trainables.flops import CONVENTION, step_flops
+from trainables.measurement import measurement_contract
 from trainables.stage_clock import StageClock
-from trainables.step_loop import run_steps
+from trainables.steps import LocalMeasures, StepCounts, count_batches, finish_step, peak_memory_bytes, run_steps
 
 
 OOM_ERRORS = (torch.OutOfMemoryError,)
@@ -45,8 +53,12 @@ def transformer_engine_version() -> str | None:
 
 @dataclass
 class MegatronRun:
+    """What every step of one rank's burst shares."""
+
     request: BurstRequest
     device: torch.device
+    rank: int
+    world_size: int
     model: torch.nn.Module
     """The data-parallel wrapper (DDP, Megatron-FSDP or FSDP2) around the VLM."""
     vlm: torch.nn.Module
@@ -58,7 +70,28 @@ class MegatronRun:
     checkpoint_nodes: int = 0
     """Recompute nodes in the first step's autograd graph (before any CUDA graph hides them)."""
 
-    def evidence(self) -> dict:
+    def evidence(self) -> Evidence:
+        """What the run observed of its knobs, and per knob whether that matches the config."""
+        observed = self._observed()
+        return Evidence(checks=self._checks(observed), **observed)
+
+    def contract(self) -> Contract:
+        return megatron_contract(self)
+
+    def _checks(self, observed: dict[str, Any]) -> dict[str, bool]:
+        config = self.request.config
+        data_parallel = observed["data_parallel"]
+        return {
+            "recompute_granularity": (observed["recompute_checkpoint_nodes"] > 0) == (config.recompute_granularity != "none"),
+            "freeze_vision_model": observed["frozen_vision_params_with_grad"] in (None, 0),
+            "expert_model_parallel_size": observed["ep_group_size"] == config.expert_model_parallel_size,
+            "tensor_model_parallel_size": observed["tp_group_size"] == config.tensor_model_parallel_size,
+            "use_torch_fsdp2": (data_parallel == "TorchFullyShardedDataParallel") == bool(config.use_torch_fsdp2),
+            "use_megatron_fsdp": (data_parallel == "FullyShardedDataParallel") == bool(config.use_megatron_fsdp),
+            "cuda_graph_impl": (observed["cuda_graph_units"] > 0) == (config.cuda_graph_impl == "local"),
+        }
+
+    def _observed(self) -> dict[str, Any]:
         from megatron.core import parallel_state
         from megatron.core.transformer.cuda_graphs import _CudagraphGlobalRecord
 
@@ -72,8 +105,7 @@ class MegatronRun:
             for module in self.vlm.modules() if hasattr(module, "cudagraph_runners")
         )
         experts = next((m for m in self.vlm.modules() if hasattr(m, "num_local_experts")), None)
-        data_parallel = type(self.model).__name__
-        observed = {
+        return {
             "layer_spec": self.layer_spec,
             "recompute_checkpoint_nodes": self.checkpoint_nodes,
             "frozen_vision_params_with_grad": frozen_with_grad,
@@ -82,20 +114,10 @@ class MegatronRun:
             "tp_group_size": parallel_state.get_tensor_model_parallel_world_size(),
             "pp_group_size": parallel_state.get_pipeline_model_parallel_world_size(),
             "local_experts_per_moe_layer": getattr(experts, "num_local_experts", None),
-            "data_parallel": data_parallel,
+            "data_parallel": type(self.model).__name__,
             "cuda_graph_units": graph_units,
             "cuda_graphs_created": bool(_CudagraphGlobalRecord.cudagraph_created),
         }
-        observed["checks"] = {
-            "recompute_granularity": (self.checkpoint_nodes > 0) == (config.recompute_granularity != "none"),
-            "freeze_vision_model": frozen_with_grad in (None, 0),
-            "expert_model_parallel_size": observed["ep_group_size"] == config.expert_model_parallel_size,
-            "tensor_model_parallel_size": observed["tp_group_size"] == config.tensor_model_parallel_size,
-            "use_torch_fsdp2": (data_parallel == "TorchFullyShardedDataParallel") == bool(config.use_torch_fsdp2),
-            "use_megatron_fsdp": (data_parallel == "FullyShardedDataParallel") == bool(config.use_megatron_fsdp),
-            "cuda_graph_impl": (graph_units > 0) == (config.cuda_graph_impl == "local"),
-        }
-        return observed
 
 
 def build_run(request: BurstRequest, device: torch.device) -> MegatronRun:
@@ -152,7 +174,8 @@ def build_run(request: BurstRequest, device: torch.device) -> MegatronRun:
     batches = rank_loader(request, parallel_state.get_data_parallel_rank(),
                                parallel_state.get_data_parallel_world_size())
     return MegatronRun(
-        request=request, device=device, model=model, vlm=vlm, optimizer=optimizer, clock=clock, batches=batches,
+        request=request, device=device, rank=dist.get_rank(), world_size=dist.get_world_size(),
+        model=model, vlm=vlm, optimizer=optimizer, clock=clock, batches=batches,
         # A pipeline needs at least as many micro-batches as stages to fill.
         num_microbatches=config.pipeline_model_parallel_size,
         layer_spec="transformer_engine" if use_te else "local",
@@ -171,10 +194,6 @@ def _wrap_data_parallel(vlm, decoder_config, ddp_config, config):
     from megatron.core.distributed import DistributedDataParallel
 
     return DistributedDataParallel(decoder_config, ddp_config, vlm)
-
-
-class InvalidConfig(Exception):
-    """megatron-core rejected the config while building configs, groups or the model."""
 
 
 class _invalid_on_rejection:
@@ -205,7 +224,7 @@ def run_rank(request: BurstRequest, device: torch.device, reporter: Reporter | N
     try:
         run = build_run(request, device)
         outcome = run_steps(request.steps, lambda step, run=run: _train_step(run, step, reporter), records)
-        return BurstResult(outcome=outcome, records=tuple(records), contract=_contract(run), evidence=run.evidence())
+        return BurstResult(outcome=outcome, records=tuple(records), contract=run.contract(), evidence=run.evidence())
     except InvalidConfig as exc:
         return BurstResult(outcome="invalid", error=str(exc))
     except OOM_ERRORS as exc:
@@ -243,7 +262,6 @@ def _count_checkpoint_nodes(output: torch.Tensor) -> int:
 
 
 def _train_step(run: MegatronRun, step: int, reporter: Reporter | None) -> tuple[StepRecord, bool]:
-    from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     request, device = run.request, run.device
@@ -278,80 +296,57 @@ def _train_step(run: MegatronRun, step: int, reporter: Reporter | None) -> tuple
     stages = run.clock.collect() if run.clock is not None else {"vision": 0.0, "projector": 0.0}
     torch.cuda.synchronize(device)
     step_seconds = time.perf_counter() - start
+    return finish_step(run, step, _local_measures(run, batches, losses, stages, step_seconds, data_wait), reporter)
 
-    flops = sum(step_flops(request.model, b.segment_ids, b.image_grids, config.freeze_vision_model,
-                           config.freeze_vision_projection) for b in batches)
-    reports_loss = parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
-    loss = sum(float(item["loss"]) for item in losses) / len(losses) if reports_loss and losses else 0.0
-    # Every rank of one data-parallel replica saw the same batches: counts are summed over the
-    # data-parallel group of a first-stage, TP-rank-0 rank, times come from the slowest rank.
-    counts_here = parallel_state.is_pipeline_first_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
-    sums = torch.tensor(
-        [sum(b.useful_tokens for b in batches), sum(b.image_tokens for b in batches),
-         sum(b.loss_tokens for b in batches), sum(b.samples for b in batches), flops,
-         sum(sum(b.skipped.values()) for b in batches)] if counts_here else [0.0] * 6,
-        dtype=torch.float64, device=device)
-    loss_sum = torch.tensor([loss, 1.0 if reports_loss else 0.0], dtype=torch.float64, device=device)
-    times = torch.tensor([step_seconds, data_wait, stages["vision"], stages["projector"]], dtype=torch.float64,
-                         device=device)
-    peak = torch.tensor([float(torch.cuda.max_memory_allocated(device))], dtype=torch.float64, device=device)
-    world = dist.get_world_size()
-    if world > 1:
-        gathered = [torch.empty_like(times) for _ in range(world)]
-        dist.all_gather(gathered, times)
-        times = max(gathered, key=lambda row: row[0].item())
-        dist.all_reduce(sums)
-        dist.all_reduce(loss_sum)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    step_seconds, data_wait, vision, projector = times.tolist()
-    useful, image, loss_tokens, samples, flops, skipped = sums.tolist()
-    record = StepRecord(
-        step=step, step_seconds=step_seconds, data_wait_seconds=data_wait, vision_seconds=vision,
-        projector_seconds=projector, decoder_seconds=step_seconds - data_wait - vision - projector,
-        useful_tokens=int(useful), image_tokens=int(image), loss_tokens=int(loss_tokens), samples=int(samples),
-        model_flops=flops, peak_memory_bytes=int(peak.item()),
-        loss=loss_sum[0].item() / max(loss_sum[1].item(), 1.0), skipped_samples=int(skipped),
+
+def _local_measures(run: MegatronRun, batches: list[MicroBatch], losses: list[dict], stages: dict[str, float],
+                    step_seconds: float, data_wait: float) -> LocalMeasures:
+    """This rank's share of the step. Every rank of one data-parallel replica saw the same batches,
+    so only a first-stage, TP-rank-0 rank counts them (summed over the data-parallel replicas);
+    the loss exists only on the last stage, reported once per replica by its TP-rank-0 rank."""
+    from megatron.core import parallel_state
+
+    tp_rank_zero = parallel_state.get_tensor_model_parallel_rank() == 0
+    counts = StepCounts()
+    if parallel_state.is_pipeline_first_stage() and tp_rank_zero:
+        counts = count_batches(batches, run.request)
+    loss = None
+    if parallel_state.is_pipeline_last_stage() and tp_rank_zero:
+        loss = sum(float(item["loss"]) for item in losses) / len(losses) if losses else 0.0
+    return LocalMeasures(
+        step_seconds=step_seconds, data_wait_seconds=data_wait, vision_seconds=stages["vision"],
+        projector_seconds=stages["projector"], peak_memory_bytes=peak_memory_bytes(run.device), counts=counts,
+        loss=loss,
     )
-    stop_flag = torch.zeros(1, dtype=torch.float64, device=device)
-    if reporter is not None:
-        report = StepReport(record, run.evidence(), _contract(run) if step == 0 else None)
-        if not reporter(report) and dist.get_rank() == 0:
-            stop_flag[0] = 1.0
-    if world > 1:
-        dist.broadcast(stop_flag, src=0)
-    return record, bool(stop_flag[0].item())
 
 
-def _contract(run: MegatronRun) -> dict:
+def megatron_contract(run: MegatronRun) -> Contract:
+    """The measurement contract of a megatron burst: its layer specs, megatron-core's and TE's
+    versions, and the full parallel shape (a global batch of every micro-batch of every replica)."""
     import megatron.core
-
     from megatron.core import parallel_state
 
     request, config = run.request, run.request.config
     dp = parallel_state.get_data_parallel_world_size()
-    return {
-        "trainable": "megatron",
-        "versions": {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-                     "megatron_core": megatron.core.__version__, "transformer_engine": transformer_engine_version()},
-        "hardware": {"device": torch.cuda.get_device_name(run.device), "accelerator": "cuda",
-                     "world_size": dist.get_world_size()},
-        "model": request.model.model_dump(),
-        "layer_spec": run.layer_spec,
-        "data": {"folder": request.data.folder, "realism": request.data.realism, "tokenizer": "byte-level"},
-        "precision": "bf16 parameters, fp32 main parameters and loss (megatron optimizer)",
-        "shapes": {
-            "micro_batch_size": config.micro_batch_size,
-            "seq_length": request.model.seq_length,
-            "num_microbatches": run.num_microbatches,
-            "data_parallel": dp,
-            "global_batch_size": config.micro_batch_size * run.num_microbatches * dp,
-            "tensor_parallel": config.tensor_model_parallel_size,
-            "pipeline_parallel": config.pipeline_model_parallel_size,
-            "context_parallel": config.context_parallel_size,
-            "expert_parallel": config.expert_model_parallel_size,
-            "expert_tensor_parallel": config.expert_tensor_parallel_size,
-        },
-        "timing": "cuda events (stages), wall clock after device synchronisation (step)",
-        "flops_convention": CONVENTION,
-        "config": config.to_plain(),
-    }
+    shapes = Shapes(
+        micro_batch_size=config.micro_batch_size,
+        seq_length=request.model.seq_length,
+        num_microbatches=run.num_microbatches,
+        data_parallel=dp,
+        global_batch_size=config.micro_batch_size * run.num_microbatches * dp,
+        tensor_parallel=config.tensor_model_parallel_size,
+        pipeline_parallel=config.pipeline_model_parallel_size,
+        context_parallel=config.context_parallel_size,
+        expert_parallel=config.expert_model_parallel_size,
+        expert_tensor_parallel=config.expert_tensor_parallel_size,
+    )
+    return measurement_contract(
+        "megatron", request, run.device,
+        world_size=run.world_size,
+        shapes=shapes,
+        precision="bf16 parameters, fp32 main parameters and loss (megatron optimizer)",
+        timing="cuda events (stages), wall clock after device synchronisation (step)",
+        versions={"cuda": torch.version.cuda, "megatron_core": megatron.core.__version__,
+                  "transformer_engine": transformer_engine_version()},
+        layer_spec=run.layer_spec,
+    )

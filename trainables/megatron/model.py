@@ -3,7 +3,7 @@ merged patches → a megatron-core MoE ``GPTModel`` whose image-placeholder embe
 by the projected image features.
 
 Why not ``LLaVAModel``: its CLIP ViT takes fixed-size tiles with a class token and expands one
-placeholder per image inside the model, while our data (DESIGN.md §4) is dynamic-resolution
+placeholder per image inside the model, while our data (the README's Data section) is dynamic-resolution
 images packed into fixed-length sequences with the image tokens already laid out, like Qwen-VL.
 The parts are megatron-core's own (``TransformerBlock`` with the ViT layer spec,
 ``MultimodalProjector``, ``GPTModel`` with the MoE decoder block spec), so every decoder knob

@@ -7,24 +7,31 @@ a Ray Train worker group can call :func:`run_rank` the same way once ``torch.dis
 
 from __future__ import annotations
 
-import logging
-import platform
 import resource
 import time
 import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from autotune.core.contract import BurstRequest, BurstResult, Reporter, StepRecord, StepReport
+from autotune.core.contract import (
+    BurstRequest,
+    BurstResult,
+    Contract,
+    Evidence,
+    InvalidConfig,
+    Reporter,
+    Shapes,
+    StepRecord,
+)
 from trainables.data.loader import MicroBatch, rank_loader
-from trainables.flops import CONVENTION, step_flops
+from trainables.measurement import measurement_contract
 from trainables.native.cuda_graphs import apply_cuda_graphs
 from trainables.native.model import GroupedExperts, MoEVLM
 from trainables.native.parallelize import (
@@ -36,18 +43,10 @@ from trainables.native.parallelize import (
 )
 from trainables.native.recompute import Checkpointed, apply_recompute
 from trainables.stage_clock import StageClock
-from trainables.step_loop import run_steps
-
-log = logging.getLogger(__name__)
+from trainables.steps import LocalMeasures, count_batches, finish_step, peak_memory_bytes, run_steps
 
 OOM_ERRORS = (torch.OutOfMemoryError, MemoryError)
 CPU_ALLOCATION_FAILURE = "DefaultCPUAllocator: can't allocate memory"
-
-
-def _peak_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 @dataclass
@@ -68,20 +67,29 @@ class BurstRun:
     batches: Iterator[MicroBatch]
     optimizer: torch.optim.Optimizer
 
-    def evidence(self) -> dict:
+    @property
+    def world_size(self) -> int:
+        return self.request.world_size
+
+    def evidence(self) -> Evidence:
         """What the run observed of its knobs, and per knob whether that matches the config."""
         observed = self._observed()
+        return Evidence(checks=self._checks(observed), **observed)
+
+    def contract(self) -> Contract:
+        return native_contract(self.request, self.device)
+
+    def _checks(self, observed: dict[str, Any]) -> dict[str, bool]:
         config = self.request.config
-        observed["checks"] = {
+        return {
             "recompute_granularity": (observed["recompute_calls"] > 0) == (config.recompute_granularity != "none"),
             "freeze_vision_model": observed["frozen_vision_params_with_grad"] in (None, 0),
             "expert_model_parallel_size": observed["ep_group_size"] == config.expert_model_parallel_size,
-            "use_torch_fsdp2": observed["fsdp2_sharded"] == bool(config.use_torch_fsdp2 and self.request.world_size > 1),
+            "use_torch_fsdp2": observed["fsdp2_sharded"] == bool(config.use_torch_fsdp2 and self.world_size > 1),
             "cuda_graph_impl": (observed["cuda_graph_replays"] > 0) == (config.cuda_graph_impl != "none"),
         }
-        return observed
 
-    def _observed(self) -> dict:
+    def _observed(self) -> dict[str, Any]:
         config = self.request.config
         return {
             "recompute_wrappers": len(self.checkpoints),
@@ -100,12 +108,19 @@ class BurstRun:
 
 
 def build_run(request: BurstRequest, device: torch.device) -> BurstRun:
-    """The model with recompute, freezing, CUDA graphs, expert and data parallelism applied."""
+    """The model with recompute, freezing, CUDA graphs, expert and data parallelism applied.
+
+    Raises:
+        InvalidConfig: the config asks for what this trainable cannot build here (CUDA graphs
+            off CUDA or with FSDP2, an EP size that does not divide the ranks or the experts, a
+            vocabulary smaller than the tokenizer's).
+    """
     config = request.config
     world = request.world_size
     rank = dist.get_rank() if world > 1 else 0
     if config.cuda_graph_impl != "none" and device.type != "cuda":
-        raise ValueError(f"cuda_graph_impl={config.cuda_graph_impl} needs a CUDA device")
+        raise InvalidConfig(f"cuda_graph_impl={config.cuda_graph_impl} needs a CUDA device; this rank runs on "
+                            f"{device.type}")
     batches = rank_loader(request, rank, world)
     torch.manual_seed(request.seed)  # identical initial weights on every rank
     model = MoEVLM(request.model)
@@ -134,16 +149,18 @@ def run_rank(request: BurstRequest, device: torch.device, reporter: Reporter | N
     """Run the burst on this rank (``torch.distributed`` already initialised when world > 1).
 
     Every rank returns a result; rank 0's carries the records and the contract. ``reporter`` is
-    called on every rank that has one; rank 0's verdict decides for all.
+    called on every rank that has one; rank 0's verdict decides for all. Only an
+    :class:`InvalidConfig` while building makes the burst ``invalid``; any other error is
+    ``failed`` with its traceback, so a bug is never taken for an infeasible config.
     """
     if device.type == "cuda" and request.memory_cap_fraction:
         torch.cuda.set_per_process_memory_fraction(request.memory_cap_fraction, device)
     try:
         run = build_run(request, device)
+    except InvalidConfig as exc:
+        return _release(BurstResult(outcome="invalid", error=str(exc)), device)
     except OOM_ERRORS as exc:
         return _release(BurstResult(outcome="oom", error=f"{type(exc).__name__}: {exc}"), device)
-    except ValueError as exc:
-        return BurstResult(outcome="invalid", error=str(exc))
     except Exception:  # noqa: BLE001 - setup failures are outcomes too, never a crash of the caller
         return _release(BurstResult(outcome="failed", error=traceback.format_exc()), device)
 
@@ -160,8 +177,7 @@ def run_rank(request: BurstRequest, device: torch.device, reporter: Reporter | N
     except Exception:  # noqa: BLE001 - the contract turns anything else into `failed`, with the trace
         return BurstResult(outcome="failed", records=tuple(records), error=traceback.format_exc())
 
-    return BurstResult(outcome=outcome, records=tuple(records), contract=_contract(request, device),
-                       evidence=run.evidence())
+    return BurstResult(outcome=outcome, records=tuple(records), contract=run.contract(), evidence=run.evidence())
 
 
 @contextmanager
@@ -204,45 +220,13 @@ def _train_step(run: BurstRun, step: int, reporter: Reporter | None) -> tuple[St
     run.optimizer.step()
     stages = run.clock.collect()  # synchronises the device
     step_seconds = time.perf_counter() - start
-    flops = step_flops(request.model, batch.segment_ids, batch.image_grids,
-                       request.config.freeze_vision_model, request.config.freeze_vision_projection)
-    vision, projector = stages["vision"], stages["projector"]
-    # Times come from the slowest rank (its stages add up to its step); counts are summed.
-    times = torch.tensor([step_seconds, data_wait, vision, projector], dtype=torch.float64)
-    sums = torch.tensor([batch.useful_tokens, batch.image_tokens, batch.loss_tokens, batch.samples, flops,
-                         out.loss.item(), sum(batch.skipped.values())], dtype=torch.float64)
-    peak = torch.tensor([float(_peak_memory_bytes(device))], dtype=torch.float64)
-    stop_flag = torch.zeros(1, dtype=torch.float64)
-    if request.world_size > 1:
-        gathered = [torch.empty_like(times) for _ in range(request.world_size)]
-        dist.all_gather(gathered, times)
-        times = max(gathered, key=lambda row: row[0].item())
-        dist.all_reduce(sums)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    step_seconds, data_wait, vision, projector = times.tolist()
-    record = StepRecord(
-        step=step,
-        step_seconds=step_seconds,
-        data_wait_seconds=data_wait,
-        vision_seconds=vision,
-        projector_seconds=projector,
-        decoder_seconds=step_seconds - data_wait - vision - projector,
-        useful_tokens=int(sums[0].item()),
-        image_tokens=int(sums[1].item()),
-        loss_tokens=int(sums[2].item()),
-        samples=int(sums[3].item()),
-        model_flops=sums[4].item(),
-        peak_memory_bytes=int(peak.item()),
-        loss=sums[5].item() / request.world_size,
-        skipped_samples=int(sums[6].item()),
+    # Every rank trains on its own batch: each counts it and reports its loss.
+    local = LocalMeasures(
+        step_seconds=step_seconds, data_wait_seconds=data_wait, vision_seconds=stages["vision"],
+        projector_seconds=stages["projector"], peak_memory_bytes=peak_memory_bytes(device),
+        counts=count_batches([batch], request), loss=out.loss.item(),
     )
-    if reporter is not None:
-        report = StepReport(record, run.evidence(), _contract(request, device) if step == 0 else None)
-        if not reporter(report) and run.rank == 0:
-            stop_flag[0] = 1.0
-    if request.world_size > 1:
-        dist.broadcast(stop_flag, src=0)
-    return record, bool(stop_flag[0].item())
+    return finish_step(run, step, local, reporter)
 
 
 @contextmanager
@@ -261,30 +245,24 @@ def _release(result: BurstResult, device: torch.device) -> BurstResult:
     return result
 
 
-def _contract(request: BurstRequest, device: torch.device) -> dict:
+def native_contract(request: BurstRequest, device: torch.device) -> Contract:
+    """The measurement contract of a native burst: one data-parallel replica per rank, bf16
+    autocast on CUDA and fp32 on the CPU, with each rank's intra-op CPU threads."""
     config = request.config
     cuda = device.type == "cuda"
     dp = request.world_size
-    return {
-        "trainable": "native",
-        "versions": {"python": platform.python_version(), "torch": torch.__version__},
-        "hardware": {
-            "device": torch.cuda.get_device_name(device) if cuda else platform.processor() or platform.machine(),
-            "accelerator": "cuda" if cuda else "cpu",
-            "world_size": request.world_size,
-            "cpu_threads_per_rank": torch.get_num_threads(),
-        },
-        "model": request.model.model_dump(),
-        "data": {"folder": request.data.folder, "realism": request.data.realism, "tokenizer": "byte-level"},
-        "precision": "bf16 autocast" if cuda else "fp32",
-        "shapes": {
-            "micro_batch_size": config.micro_batch_size,
-            "seq_length": request.model.seq_length,
-            "data_parallel": dp,
-            "global_batch_size": config.micro_batch_size * dp,
-            "expert_parallel": config.expert_model_parallel_size,
-        },
-        "timing": "cuda events (stages), wall clock (step)" if cuda else "wall clock",
-        "flops_convention": CONVENTION,
-        "config": config.to_plain(),
-    }
+    shapes = Shapes(
+        micro_batch_size=config.micro_batch_size,
+        seq_length=request.model.seq_length,
+        data_parallel=dp,
+        global_batch_size=config.micro_batch_size * dp,
+        expert_parallel=config.expert_model_parallel_size,
+    )
+    return measurement_contract(
+        "native", request, device,
+        world_size=request.world_size,
+        shapes=shapes,
+        precision="bf16 autocast" if cuda else "fp32",
+        timing="cuda events (stages), wall clock (step)" if cuda else "wall clock",
+        cpu_threads_per_rank=torch.get_num_threads(),
+    )

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from autotune.core.contract import InvalidConfig
 from autotune.core.knobs import Config
 from trainables.native.model import MoEVLM
 
@@ -38,11 +39,15 @@ def apply_cuda_graphs(model: MoEVLM, config: Config, probe_forward) -> list[nn.M
     """Capture the configured units; ``probe_forward()`` runs one eager forward of a real batch.
 
     Returns the graphed modules, each counting its replays in ``graph_replays``.
+
+    Raises:
+        InvalidConfig: with FSDP2, whose sharded parameters move (captured graphs would read stale storage).
     """
     if config.cuda_graph_impl != "local":
         return []
     if config.use_torch_fsdp2:
-        raise ValueError("native CUDA graphs cannot capture FSDP2-sharded parameters (their storage moves)")
+        raise InvalidConfig("cuda_graph_impl=local cannot run with use_torch_fsdp2 in the native trainable: its CUDA "
+                            "graphs would read FSDP2-sharded parameters whose storage moves between steps")
     targets = graph_targets(model, config)
     samples: dict[nn.Module, tuple[torch.Tensor, ...]] = {}
 

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from autotune.core.contract import InvalidConfig
 from autotune.core.model import ModelSpec
 from trainables.data import tokenizer
 
@@ -308,7 +309,8 @@ class MoEVLM(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         if spec.vocab_size < tokenizer.VOCAB_SIZE:
-            raise ValueError(f"vocab_size {spec.vocab_size} is below the tokenizer's {tokenizer.VOCAB_SIZE} ids")
+            raise InvalidConfig(f"vocab_size {spec.vocab_size} is below the tokenizer's {tokenizer.VOCAB_SIZE} ids: "
+                                f"the model {spec.name} cannot embed every token the data holds")
         self.spec = spec
         self.vision = VisionEncoder(spec)
         self.projector = Projector(spec)

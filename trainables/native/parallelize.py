@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from autotune.core.contract import InvalidConfig
 from autotune.core.knobs import Config
 from trainables.native.model import GroupedExperts, MoE, MoEVLM
 
@@ -39,7 +40,11 @@ class ParallelGroups:
 
 
 def make_groups(config: Config, world_size: int, rank: int) -> ParallelGroups:
+    """This rank's EP and expert-DP groups; an EP size that does not divide the world is
+    :class:`InvalidConfig` (its last group would name ranks that do not exist)."""
     ep = config.expert_model_parallel_size
+    if world_size % ep:
+        raise InvalidConfig(f"expert_model_parallel_size={ep} does not divide the burst's {world_size} ranks")
     ep_group = expert_dp_group = None
     if world_size > 1:
         # Every rank must create every group, in the same order.
@@ -80,12 +85,20 @@ class AllToAllDispatcher:
 
 
 def apply_expert_parallel(model: MoEVLM, groups: ParallelGroups) -> list[nn.Parameter]:
-    """Keep this rank's slice of every MoE layer's experts; returns the expert parameters."""
+    """Keep this rank's slice of every MoE layer's experts; returns the expert parameters.
+
+    Raises:
+        InvalidConfig: the experts cannot be spread evenly over the EP group (a rank's slice
+            would drop experts the router still sends tokens to).
+    """
     expert_params: list[nn.Parameter] = []
     for module in model.modules():
         if not isinstance(module, MoE):
             continue
         experts = module.experts
+        if experts.local_count % groups.ep_size:
+            raise InvalidConfig(f"{experts.local_count} experts cannot be spread evenly over "
+                                f"expert_model_parallel_size={groups.ep_size}")
         if groups.ep_size > 1:
             local = experts.local_count // groups.ep_size
             start = groups.ep_rank * local

@@ -7,6 +7,8 @@ a screen and a promotion of one config draw differently and a run replays identi
 the recorded ones: an OOM after k steps replays k steps and ends ``oom``. Time is virtual: every
 report carries the seconds the recorded burst had spent by then, start-up included, and the tuner
 charges those instead of its clock, so a campaign replays in seconds what took device-hours.
+A replay measured nothing: its contract says so (``trainable: replay``) and carries the recorded
+burst's contract as the table holds it; it observed no knob, so its evidence is empty.
 
 Per-stage times and FLOPs are not in a table: they replay as zero (a replay measures the tuner,
 never the model).
@@ -18,7 +20,7 @@ import functools
 import random
 from pathlib import Path
 
-from autotune.core.contract import BurstRequest, BurstResult, Reporter, StepRecord, StepReport
+from autotune.core.contract import BurstRequest, BurstResult, Contract, Evidence, Reporter, StepRecord, StepReport
 from autotune.core.steady import steady_state
 from autotune.core.tables import RecordedBurst, RecordedTable, load_table
 
@@ -64,7 +66,7 @@ def run_replay_rank(request: BurstRequest, device: object, reporter: Reporter | 
 
 def run_replay(request: BurstRequest, reporter: Reporter | None = None) -> BurstResult:
     row = table_for(request).row(request.config)
-    contract = row.contract | {"replayed_from": request.replay_table}
+    contract = Contract(trainable="replay", replayed_from=request.replay_table, recorded=row.contract)
     elapsed = row.startup_seconds
     records: list[StepRecord] = []
     peak = int((row.peak_memory_gib or 0.0) * GIB)
@@ -76,7 +78,7 @@ def run_replay(request: BurstRequest, reporter: Reporter | None = None) -> Burst
             samples=0, model_flops=0.0, peak_memory_bytes=peak, loss=0.0,
         )
         records.append(record)
-        report = StepReport(record, evidence={}, contract=contract if step == 0 else None, elapsed_seconds=elapsed)
+        report = StepReport(record, Evidence(), contract=contract if step == 0 else None, elapsed_seconds=elapsed)
         if reporter is not None and not reporter(report):
             return BurstResult("pruned", tuple(records), contract, elapsed_seconds=elapsed)
     outcome = row.outcome

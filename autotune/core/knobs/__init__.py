@@ -7,9 +7,10 @@ when their parent switches them off, so two configs that launch the same trainin
 from __future__ import annotations
 
 import difflib
-from typing import Any, Iterator, Mapping
+from typing import Annotated, Any, Iterator, Mapping
 
 import yaml
+from pydantic import PlainSerializer, PlainValidator, WithJsonSchema
 
 from autotune.core.errors import KnobError
 from autotune.core.knobs._base import Condition, Knob, MegatronTarget
@@ -23,10 +24,12 @@ __all__ = [
     "RECOMPUTE_MODULES",
     "Condition",
     "Config",
+    "ConfigField",
     "Knob",
     "MegatronTarget",
     "Value",
     "complete_config",
+    "expert_tensor_parallel",
     "get_knob",
     "parse_bridge_overrides",
     "parse_megatron_lm_args",
@@ -139,6 +142,26 @@ def complete_config(values: Mapping[str, Any], defaults: Mapping[str, Value] | N
 
 
 _DEFAULTS: dict[str, Value] = dict(complete_config({}))
+
+
+def expert_tensor_parallel(config: Config) -> int:
+    """ETP as Megatron resolves it: ``expert_tensor_parallel_size: null`` means the same as TP."""
+    etp = config.expert_tensor_parallel_size
+    return config.tensor_model_parallel_size if etp is None else etp
+
+
+def _as_config(value: Any) -> Config:
+    return value if isinstance(value, Config) else complete_config(value)
+
+
+ConfigField = Annotated[
+    Config,
+    PlainValidator(_as_config),
+    PlainSerializer(lambda config: config.to_plain(), return_type=dict),
+    WithJsonSchema({"type": "object", "description": "canonical knob names to values"}),
+]
+"""A :class:`Config` as a field of a pydantic record: read from its plain form (canonical knob
+names, every knob absent taking Megatron's default), written as :meth:`Config.to_plain`."""
 
 
 def parse_bridge_overrides(overrides: list[str]) -> Config:

@@ -1,0 +1,212 @@
+"""The campaign's records: one :class:`TrialEntry` per finished trial or rejected proposal
+(``trials.jsonl``), one :class:`StepEntry` per reported step (``steps.jsonl``), and what they add
+up to (:class:`Spend`).
+
+Entries are typed and immutable: how a trial came to run (``origin``, the warm start it is, the
+screen it promotes, the trial it retries) and why it ended as it did (``cause``) are fields, never
+prefixes of a string. Files written before these fields existed (``source: "warm_start:bring-up"``,
+``reason: "node_lost: ..."``) still read: :func:`read_trial_entries` converts their lines.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Iterable, Iterator, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationInfo, model_validator
+
+from autotune.core.contract import Contract, Evidence, StepRecord
+from autotune.core.knobs import Config, ConfigField, complete_config
+from autotune.core.steady import SteadyEstimate
+from autotune.search.history import GateName, Origin
+
+Stage = Literal["screen", "promote"]
+EntryOutcome = Literal["ok", "oom", "invalid", "pruned", "failed", "hung", "oom_predicted"]
+"""A burst's outcome, or ``invalid`` / ``oom_predicted`` for a proposal rejected before launch."""
+Cause = Literal["node_lost", "watchdog", "trial_raised", "no_outcome", "budget", GateName]
+"""Why an entry ended as it did, where the outcome alone does not say: the trial's node died
+(``node_lost``: it runs once more), the hang watchdog killed it, the trial process raised, it ended
+without an outcome, the budget ran out under it; or which gate rejected a proposal (the rules, a
+config that ran out of memory with no more saving, the memory model)."""
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How a trial came to run: what its entry will say besides how it ended."""
+
+    stage: Stage
+    space: str
+    config: Config
+    origin: Origin
+    number: int | None = None
+    """The Optuna trial number (screening only)."""
+    warm_start: str | None = None
+    promoted_from: str | None = None
+    retry_of: str | None = None
+
+
+class TrialEntry(BaseModel):
+    """One line of ``trials.jsonl``: a launched trial as it ended, or a proposal rejected before launch."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    trial_id: str | None
+    """Ray Tune's trial id; ``None`` for a proposal that never launched."""
+    stage: Stage
+    space: str
+    number: int | None
+    """The Optuna trial number (screening only)."""
+    origin: Origin
+    warm_start: str | None = None
+    """The warm start's name (``origin: warm_start``)."""
+    promoted_from: str | None = None
+    """The screening trial a promotion re-runs."""
+    retry_of: str | None = None
+    """The trial that lost its node, which this one runs again."""
+    config: ConfigField
+    launched: bool
+    outcome: EntryOutcome
+    cause: Cause | None = None
+    reason: str
+    steps: int = 0
+    objective: float | None = None
+    """The steady estimate's mean (per device); a pruned trial's partial estimate."""
+    estimate: SteadyEstimate | None = None
+    model_tflops_per_s_per_gpu: float | None = None
+    peak_memory_bytes: int | None = None
+    wall_seconds: float = 0.0
+    device_seconds: float
+    """Seconds of every device the trial held (start-up included; recorded seconds for a replay)."""
+    benchmark_only: bool = False
+    evidence: Evidence = Evidence()
+    contract: Contract | None = None
+    error: str | None = None
+    finished_at: datetime
+
+    @property
+    def measured(self) -> bool:
+        """A launched trial that ended with a steady estimate (``ok``, or ``pruned`` with its partial one)."""
+        return self.launched and self.estimate is not None and self.outcome in ("ok", "pruned")
+
+    @property
+    def screened_ok(self) -> bool:
+        """A finished screen with a steady estimate: a candidate for the best and for promotion."""
+        return self.launched and self.stage == "screen" and self.outcome == "ok" and self.estimate is not None
+
+    @property
+    def label(self) -> str:
+        """How the trial came to run, in words (``warm start bring-up``, ``frontier``…)."""
+        if self.origin == "warm_start":
+            return f"warm start {self.warm_start}"
+        if self.origin == "promotion":
+            return f"promotion of {self.promoted_from}"
+        return self.origin.replace("_", " ")
+
+    def to_json(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", exclude={"contract"}) | {
+            "contract": None if self.contract is None else self.contract.to_json()}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_earlier_format(cls, data: Any, info: ValidationInfo) -> Any:
+        """Lines written before ``origin`` and ``cause`` existed (see :func:`read_trial_entries`)."""
+        if not isinstance(data, dict) or "origin" in data or "source" not in data:
+            return data
+        return _converted(data, (info.context or {}).get("lost", {}))
+
+
+class StepEntry(BaseModel):
+    """One line of ``steps.jsonl``: a step a running trial reported."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    trial_id: str
+    stage: Stage
+    space: str
+    objective: float
+    record: StepRecord
+
+    def to_json(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+class Spend(BaseModel):
+    """Device-seconds (GPU-seconds, or CPU-slot-seconds on a CPU box) per stage and per outcome."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    unit: str = "device-seconds (GPU-seconds; CPU-slot-seconds on a CPU box)"
+    total: float
+    by_stage: dict[str, float]
+    by_outcome: dict[str, float]
+    trials: dict[Stage, int]
+    """Trials launched per stage."""
+    rejected_before_launch: int
+
+
+def spend(entries: Iterable[TrialEntry]) -> Spend:
+    by_stage: dict[str, float] = defaultdict(float)
+    by_outcome: dict[str, float] = defaultdict(float)
+    launched = {"screen": 0, "promote": 0}
+    rejected = 0
+    for entry in entries:
+        by_stage[entry.stage] += entry.device_seconds
+        by_outcome[entry.outcome] += entry.device_seconds
+        if entry.launched:
+            launched[entry.stage] += 1
+        else:
+            rejected += 1
+    return Spend(total=sum(by_stage.values()), by_stage=dict(by_stage), by_outcome=dict(by_outcome),
+                 trials=launched, rejected_before_launch=rejected)
+
+
+def read_trial_entries(lines: Iterable[dict[str, Any]]) -> Iterator[TrialEntry]:
+    """Entries from ``trials.jsonl``'s lines in order; lines of the earlier format are converted
+    (a retry there names only its source, so the trial it retries is the last one of the same
+    config that lost its node)."""
+    lost: dict[tuple, str] = {}
+    for line in lines:
+        entry = TrialEntry.model_validate(line, context={"lost": lost})
+        if entry.cause == "node_lost" and entry.trial_id is not None:
+            lost[(entry.stage, entry.space, entry.config)] = entry.trial_id
+        yield entry
+
+
+# -- the earlier format ------------------------------------------------------------------------------
+
+_RETRY_SUFFIX = ", again after node_lost"
+_EARLIER_CAUSES = (("node_lost", "node_lost"), ("the trial process raised", "trial_raised"),
+                   ("stopped when the campaign's budget ran out", "budget"),
+                   ("the trial ended without reporting an outcome", "no_outcome"))
+"""How the earlier format said why a launched trial ended: the start of its reason."""
+
+
+def _converted(line: dict[str, Any], lost: dict[tuple, str]) -> dict[str, Any]:
+    data = dict(line)
+    source: str = data.pop("source")
+    if source.endswith(_RETRY_SUFFIX):
+        source = source.removesuffix(_RETRY_SUFFIX)
+        data["retry_of"] = lost.get((data["stage"], data["space"], complete_config(data["config"])))
+    kind, _, detail = source.partition(":")
+    data["origin"] = {"near_repeat": "nearest", "screen": "promotion"}.get(kind, kind)
+    if kind == "warm_start":
+        data["warm_start"] = detail
+    elif kind == "screen":
+        data["promoted_from"] = detail
+    reason = data.get("reason") or ""
+    outcome = data["outcome"]
+    if outcome == "hung":
+        data["cause"] = "watchdog"
+    elif not data["launched"]:
+        data["cause"] = "rules" if outcome == "invalid" else \
+            "oom_dominance" if reason.startswith("needs at least the memory of") else "memory_model"
+    else:
+        data["cause"] = next((cause for prefix, cause in _EARLIER_CAUSES if reason.startswith(prefix)), None)
+    contract = data.get("contract")
+    if contract and "replayed_from" in contract:
+        added = ("replayed_from", "steady_window", "workers")  # what the tuner added to the recorded contract
+        data["contract"] = {"trainable": "replay", "recorded": {k: v for k, v in contract.items() if k not in added},
+                            **{key: contract[key] for key in added if key in contract}}
+    return data

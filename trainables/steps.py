@@ -1,0 +1,170 @@
+"""What every measuring trainable's burst shares: the step loop, and the end of each step, where one
+rank's measures become the step's :class:`~autotune.core.contract.StepRecord` for the whole trial.
+
+A trainable times its own step and counts its batches (:class:`LocalMeasures`, :func:`count_batches`);
+:func:`finish_step` does the rest the same way for all of them, so a record means the same thing whichever trainable made it:
+times from the slowest rank, counts summed over ranks, the peak of the fullest rank, the loss
+averaged over the ranks that compute one, and rank 0's reporter deciding whether every rank stops.
+"""
+
+from __future__ import annotations
+
+import resource
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence
+
+import torch
+import torch.distributed as dist
+
+from autotune.core.contract import BurstRequest, Contract, Evidence, Outcome, Reporter, StepRecord, StepReport
+from trainables.data.loader import MicroBatch
+from trainables.flops import step_flops
+
+
+def run_steps(steps: int, train_step: Callable[[int], tuple[StepRecord, bool]], records: list[StepRecord]) -> Outcome:
+    """Run up to ``steps`` steps; ``train_step(step)`` returns the step's record and whether the
+    caller said stop. Records go into the caller's ``records`` as they finish, so a burst that
+    fails mid-way still reports every step it completed. ``pruned`` when told to stop, else ``ok``."""
+    for step in range(steps):
+        record, stop = train_step(step)
+        records.append(record)
+        if stop:
+            return "pruned"
+    return "ok"
+
+
+class RankRun(Protocol):
+    """What :func:`finish_step` needs of a trainable's run on one rank."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    def evidence(self) -> Evidence:
+        """What the run has observed of its knobs so far."""
+        ...
+
+    def contract(self) -> Contract:
+        """The measurement contract of the run."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class StepCounts:
+    """What one rank's micro-batches of a step held; summed over ranks into the step's record."""
+
+    useful_tokens: int = 0
+    image_tokens: int = 0
+    loss_tokens: int = 0
+    samples: int = 0
+    model_flops: float = 0.0
+    skipped_samples: int = 0
+
+
+def count_batches(batches: Sequence[MicroBatch], request: BurstRequest) -> StepCounts:
+    """The counts of the micro-batches one rank trained on in a step (FLOPs per ``trainables/flops.py``)."""
+    config = request.config
+    return StepCounts(
+        useful_tokens=sum(batch.useful_tokens for batch in batches),
+        image_tokens=sum(batch.image_tokens for batch in batches),
+        loss_tokens=sum(batch.loss_tokens for batch in batches),
+        samples=sum(batch.samples for batch in batches),
+        model_flops=sum(step_flops(request.model, batch.segment_ids, batch.image_grids, config.freeze_vision_model,
+                                   config.freeze_vision_projection) for batch in batches),
+        skipped_samples=sum(sum(batch.skipped.values()) for batch in batches),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class LocalMeasures:
+    """One rank's measures of one step, before the cross-rank reduction."""
+
+    step_seconds: float
+    data_wait_seconds: float
+    vision_seconds: float
+    projector_seconds: float
+    peak_memory_bytes: int
+    counts: StepCounts = StepCounts()
+    """Zero on a rank that does not count the step's data (megatron: all but the first pipeline
+    stage's tensor-rank 0 of each data-parallel replica, whose peers saw the same batches), so the
+    sum over ranks counts every sample once."""
+    loss: float | None = None
+    """This rank's loss; ``None`` on a rank that computes none (megatron: all but the last
+    pipeline stage's tensor-rank 0)."""
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """The most memory this rank has held: allocated device memory on CUDA, the process's peak
+    resident set on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def finish_step(run: RankRun, step: int, local: LocalMeasures, reporter: Reporter | None) -> tuple[StepRecord, bool]:
+    """Reduce ``local`` over the run's ranks into the step's record, report it, and agree on stopping.
+
+    Every rank calls this after every step (it holds collectives, on the run's device so NCCL can
+    reduce them; one rank uses none). ``reporter`` (rank 0's, where there is one) gets a
+    :class:`StepReport` with the evidence so far and, at step 0, the contract; its ``False`` on
+    rank 0 stops every rank after this step. Returns the record and whether to stop.
+    """
+    times, counts, peak = _reduce(run, local)
+    step_seconds, data_wait, vision, projector = times
+    useful, image, loss_tokens, samples, flops, skipped, loss_sum, loss_ranks = counts
+    record = StepRecord(
+        step=step,
+        step_seconds=step_seconds,
+        data_wait_seconds=data_wait,
+        vision_seconds=vision,
+        projector_seconds=projector,
+        decoder_seconds=step_seconds - data_wait - vision - projector,
+        useful_tokens=int(useful),
+        image_tokens=int(image),
+        loss_tokens=int(loss_tokens),
+        samples=int(samples),
+        model_flops=flops,
+        peak_memory_bytes=int(peak),
+        loss=loss_sum / max(loss_ranks, 1.0),
+        skipped_samples=int(skipped),
+    )
+    stop = False
+    if reporter is not None:
+        report = StepReport(record, run.evidence(), run.contract() if step == 0 else None)
+        stop = not reporter(report) and run.rank == 0
+    return record, _rank_zero_says(run, stop)
+
+
+def _reduce(run: RankRun, local: LocalMeasures) -> tuple[list[float], list[float], float]:
+    """(times of the slowest rank, counts summed over ranks, the largest peak)."""
+    times = torch.tensor([local.step_seconds, local.data_wait_seconds, local.vision_seconds,
+                          local.projector_seconds], dtype=torch.float64, device=run.device)
+    # The loss travels as a sum with the number of ranks that computed one, to average over those.
+    counted = local.counts
+    counts = torch.tensor([counted.useful_tokens, counted.image_tokens, counted.loss_tokens, counted.samples,
+                           counted.model_flops, counted.skipped_samples, 0.0 if local.loss is None else local.loss,
+                           0.0 if local.loss is None else 1.0], dtype=torch.float64, device=run.device)
+    peak = torch.tensor([float(local.peak_memory_bytes)], dtype=torch.float64, device=run.device)
+    if run.world_size > 1:
+        # The slowest rank's times, whole: its stages add up to its step, another rank's would not.
+        gathered = [torch.empty_like(times) for _ in range(run.world_size)]
+        dist.all_gather(gathered, times)
+        times = max(gathered, key=lambda row: row[0].item())
+        dist.all_reduce(counts)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return times.tolist(), counts.tolist(), peak.item()
+
+
+def _rank_zero_says(run: RankRun, stop: bool) -> bool:
+    """Rank 0's ``stop``, on every rank: all ranks must leave the loop at the same step, or those
+    that stay wait forever in the next step's collectives."""
+    if run.world_size == 1:
+        return stop
+    flag = torch.tensor([1.0 if stop else 0.0], dtype=torch.float64, device=run.device)
+    dist.broadcast(flag, src=0)
+    return bool(flag.item())
