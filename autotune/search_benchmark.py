@@ -43,7 +43,7 @@ from rich.console import Console
 from autotune.campaign import Campaign, load_campaign
 from autotune.core.contract import FAILED_OUTCOMES
 from autotune.core.errors import AutotuneError
-from autotune.core.knobs import Config, complete_config
+from autotune.core.knobs import Config
 from autotune.core.registry import REPLAY, burst_runner
 from autotune.core.steady import steady_state
 from autotune.core.tables import RecordedBurst, RecordedTable, TableError

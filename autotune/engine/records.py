@@ -86,23 +86,9 @@ class TrialEntry(BaseModel):
     finished_at: datetime
 
     @property
-    def measured(self) -> bool:
-        """A launched trial that ended with a steady estimate (``ok``, or ``pruned`` with its partial one)."""
-        return self.launched and self.estimate is not None and self.outcome in ("ok", "pruned")
-
-    @property
     def screened_ok(self) -> bool:
         """A finished screen with a steady estimate: a candidate for the best and for promotion."""
         return self.launched and self.stage == "screen" and self.outcome == "ok" and self.estimate is not None
-
-    @property
-    def label(self) -> str:
-        """How the trial came to run, in words (``warm start bring-up``, ``frontier``…)."""
-        if self.origin == "warm_start":
-            return f"warm start {self.warm_start}"
-        if self.origin == "promotion":
-            return f"promotion of {self.promoted_from}"
-        return self.origin.replace("_", " ")
 
     def to_json(self) -> dict[str, Any]:
         return self.model_dump(mode="json", exclude={"contract"}) | {

@@ -79,7 +79,7 @@ class Proposer:
         memory_frontier: bool = True,
         max_asks: int = 500,
     ) -> None:
-        self.space, self.context, self.max_asks = space, context, max_asks
+        self.space, self.max_asks = space, max_asks
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         self.journal = CampaignJournal(journal) if journal is not None else None
         """The study's journal file (``None``: the study lives in memory, as in tests and benchmarks)."""
