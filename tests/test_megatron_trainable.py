@@ -7,6 +7,7 @@ from __future__ import annotations
 import socket
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -116,13 +117,15 @@ def test_the_end_of_a_step_evidence_and_contract_on_one_rank(model_parallel, pho
     carry the keys a megatron burst writes."""
     from trainables.data.loader import rank_loader
     from trainables.megatron.burst import MegatronRun, _local_measures
+    from trainables.megatron.model import decoder_kernel_fields
     from trainables.steps import count_batches, finish_step
 
     spec, vlm = build_on_meta("cpu_tiny_moe_vlm")
     request = BurstRequest(config=complete_config({}), model=spec, data=DataSpec(str(photo_shards)), steps=1,
                            world_size=1, data_workers=0)
     run = MegatronRun(request=request, device=torch.device("cpu"), rank=0, world_size=1, model=vlm, vlm=vlm,
-                      optimizer=None, clock=None, batches=iter(()), num_microbatches=2, layer_spec="local")
+                      optimizer=None, clock=None, batches=iter(()), num_microbatches=2, layer_spec="local",
+                      kernels=decoder_kernel_fields(False))
     batches = [batch for batch, _ in zip(rank_loader(request, 0, 1), range(2))]
     losses = [{"loss": torch.tensor(2.0)}, {"loss": torch.tensor(3.0)}]
     local = _local_measures(run, batches, losses, {"vision": 0.25, "projector": 0.125}, 1.0, 0.5)
@@ -134,15 +137,94 @@ def test_the_end_of_a_step_evidence_and_contract_on_one_rank(model_parallel, pho
     evidence, contract = reports[0].evidence, reports[0].contract.to_json()
     assert set(evidence.checks) == {"recompute_granularity", "freeze_vision_model", "expert_model_parallel_size",
                                     "tensor_model_parallel_size", "use_torch_fsdp2", "use_megatron_fsdp",
-                                    "cuda_graph_impl"}
+                                    "cuda_graph_impl", "moe_grouped_gemm"}
+    assert all(evidence.checks.values()), evidence.checks
     assert evidence.layer_spec == "local" and evidence.tp_group_size == 1 and evidence.cuda_graph_units == 0
     assert contract["trainable"] == "megatron" and contract["layer_spec"] == "local"
+    assert contract["kernels"] == decoder_kernel_fields(False) and not any(contract["kernels"].values())
     assert set(contract["versions"]) == {"python", "torch", "cuda", "megatron_core", "transformer_engine"}
     assert set(contract["hardware"]) == {"device", "accelerator", "world_size"}
     assert contract["shapes"]["num_microbatches"] == 2 and contract["shapes"]["global_batch_size"] == 2
     assert set(contract["shapes"]) == {"micro_batch_size", "seq_length", "num_microbatches", "data_parallel",
                                        "global_batch_size", "tensor_parallel", "pipeline_parallel",
                                        "context_parallel", "expert_parallel", "expert_tensor_parallel"}
+
+
+class _GraphHelper:
+    """What ``TransformerEngineGraphs`` calls on megatron-core's ``TECudaGraphHelper``; each
+    "graph" is a function, as TE's graphed callables are."""
+
+    def __init__(self, layers: int) -> None:
+        self.flattened_callables = [SimpleNamespace(cuda_graphs=[]) for _ in range(layers)]
+        self.created = False
+
+    def capture_finished(self) -> bool:
+        return self.created
+
+    def graphs_created(self) -> bool:
+        return self.created and any(layer.cuda_graphs for layer in self.flattened_callables)
+
+    def create_cudagraphs(self) -> None:
+        self.created = True
+        for layer in self.flattened_callables:
+            layer.cuda_graphs.append(lambda hidden: hidden)
+
+
+def test_graph_knob_checks_fail_when_no_graph_ran(model_parallel, photo_shards: Path) -> None:
+    """A graph knob whose graphs were never captured, or captured and never replayed, fails its
+    check; so does a graph that ran with the knob off. The TE graphs count their replays."""
+    from trainables.megatron.burst import MegatronRun, TransformerEngineGraphs
+    from trainables.megatron.model import decoder_kernel_fields
+
+    spec, vlm = build_on_meta("cpu_tiny_moe_vlm")
+
+    def checks(te_graphs, **knobs) -> dict[str, bool]:
+        request = BurstRequest(config=complete_config(knobs), model=spec, data=DataSpec(str(photo_shards)), steps=1,
+                               world_size=1, data_workers=0)
+        run = MegatronRun(request=request, device=torch.device("cpu"), rank=0, world_size=1, model=vlm, vlm=vlm,
+                          optimizer=None, clock=None, batches=iter(()), num_microbatches=1, layer_spec="local",
+                          kernels=decoder_kernel_fields(False), te_graphs=te_graphs)
+        return run.evidence().checks
+
+    te = {"cuda_graph_impl": "transformer_engine", "cuda_graph_scope": ["attn"]}
+    assert checks(None, **te)["cuda_graph_impl"] is False
+    graphs = TransformerEngineGraphs(_GraphHelper(layers=3), capture_step=2, overlap_param_gather=False)
+    graphs.before_step(1)
+    assert checks(graphs, **te)["cuda_graph_impl"] is False  # not captured yet
+    graphs.before_step(2)
+    assert checks(graphs, **te)["cuda_graph_impl"] is False  # captured, never replayed
+    assert graphs.helper.flattened_callables[0].cuda_graphs[0](5) == 5
+    assert checks(graphs, **te)["cuda_graph_impl"] is True
+    assert checks(graphs)["cuda_graph_impl"] is False  # graphs ran with the knob off
+    observed = graphs.observed()
+    assert observed["te_graphs_captured"] == 3 and observed["te_graph_replays"] == 1
+    assert checks(None, moe_grouped_gemm=True)["moe_grouped_gemm"] is False  # SequentialMLP built
+    assert checks(None, freeze_vision_model=True)["freeze_vision_model"] is False  # vision still trains
+
+
+def test_a_te_that_cannot_load_is_one_line(tmp_path: Path, monkeypatch) -> None:
+    """An installed TE whose core library cannot load counts as absent, with one line saying why."""
+    from trainables import probe as probe_module
+
+    package = tmp_path / "transformer_engine"
+    (package / "pytorch").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "pytorch" / "__init__.py").write_text(
+        "raise OSError('libtransformer_engine.so: cannot open shared object file: No such file or directory')")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    probe_module.transformer_engine_status.cache_clear()
+    try:
+        version, problem = probe_module.transformer_engine_status()
+        facts = probe_module.probe()
+    finally:
+        probe_module.transformer_engine_status.cache_clear()
+    assert version is None and "\n" not in problem
+    assert problem.endswith("cannot load: OSError: libtransformer_engine.so: cannot open shared object file: "
+                            "No such file or directory")
+    assert facts["transformer_engine"] is None and facts["transformer_engine_error"] == problem
+    campaign = load_campaign(Path("campaigns/h200_te.yaml"))
+    probed, changes = apply_probe(campaign, [_node(transformer_engine_error=problem)])
+    assert probed.stack.transformer_engine is None and problem in changes
 
 
 def test_probe_reports_this_machine() -> None:
@@ -168,6 +250,21 @@ def test_probe_replaces_the_campaign_stack_and_says_so() -> None:
     # A package only some nodes have counts as absent.
     mixed, _ = apply_probe(campaign, [_node(transformer_engine="2.10"), _node()])
     assert mixed.stack.transformer_engine is None
+
+
+def test_burst_judges_the_config_by_this_machine(monkeypatch) -> None:
+    """``autotune burst`` asks this machine's probe, not the campaign's assumed stack: with TE
+    installed here, grouped GEMM passes a campaign that assumed no TE."""
+    from autotune.cli import burst_cmd
+    from autotune.rules import violations
+
+    campaign = load_campaign(Path("campaigns/h200_single.yaml"))
+    grouped = complete_config({"moe_grouped_gemm": True})
+    assert "grouped_gemm_needs_te" in {v.rule for v in violations(grouped, campaign.rule_context)}
+    monkeypatch.setattr(burst_cmd, "probe_this_machine", lambda: _node(transformer_engine="2.20.2"))
+    judged = burst_cmd._judged_by_this_machine(campaign.rule_context)
+    assert judged.stack.transformer_engine == "2.20.2"
+    assert "grouped_gemm_needs_te" not in {v.rule for v in violations(grouped, judged)}
 
 
 def test_probe_rejects_a_cluster_that_cannot_run_the_campaign() -> None:

@@ -180,3 +180,11 @@ def test_compare_refuses_different_workloads_and_ranks_the_same_one(campaign_run
     (fsdp / "trials.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
     refused = compare(load_report(run_dir), load_report(fsdp))
     assert not refused.comparable and refused.ratio is None and "seq_length" in refused.verdict
+
+    for entry in lines:  # the same shape, in fp8: a different precision is never ranked silently
+        if entry.get("contract"):
+            entry["contract"]["model"]["seq_length"] //= 2
+            entry["contract"]["precision"] += "; fp8 hybrid GEMMs with tensorwise scaling"
+    (fsdp / "trials.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
+    fp8 = compare(load_report(run_dir), load_report(fsdp))
+    assert not fp8.comparable and fp8.ratio is None and "precision" in fp8.verdict and "fp8" in fp8.verdict

@@ -62,7 +62,7 @@ CASES = [
     Case("mlp_recompute_needs_dense_layers", {**SELECTIVE, "recompute_modules": ["mlp"]},
          {**SELECTIVE, "recompute_modules": ["moe"]}),
     Case("full_recompute_needs_full_iteration_graphs", {**FULL, **LOCAL, "cuda_graph_scope": ["attn"]},
-         {**FULL, "cuda_graph_impl": "full_iteration"}, DROP_AND_PAD),
+         {**FULL}, DROP_AND_PAD),
     Case("graphed_attention_recompute_needs_no_attention_dropout",
          {**SELECTIVE, **LOCAL, "cuda_graph_scope": ["attn"]},
          {**SELECTIVE, **LOCAL, "cuda_graph_scope": ["moe_router", "moe_preprocess"]},
@@ -123,6 +123,18 @@ CASES = [
          {**SELECTIVE, "recompute_modules": ["core_attn"]}, {"transformer_engine": None}),
     Case("local_layer_specs_lack_sequence_context_parallel", {"context_parallel_size": 2}, {},
          {"transformer_engine": None}),
+    Case("fp8_needs_te_and_fp8_tensor_cores", {"fp8": "hybrid", "fp8_recipe": "tensorwise"}, {},
+         {"transformer_engine": None}),
+    Case("mxfp8_needs_blackwell", {"fp8": "e4m3", "fp8_recipe": "mxfp8"}, {"fp8": "e4m3", "fp8_recipe": "blockwise"}),
+    Case("moe_fusions_need_te", {"moe_permute_fusion": True}, {"cross_entropy_loss_fusion": True},
+         {"transformer_engine": None}),
+    Case("local_graphs_exclude_grouped_gemm_on_mcore_0_19",
+         {**LOCAL, "cuda_graph_scope": ["moe_router", "moe_preprocess"], "moe_grouped_gemm": True},
+         {**TE_GRAPHS, "cuda_graph_scope": ["moe_router", "moe_preprocess"], "moe_grouped_gemm": True}),
+    Case("fp8_delayed_excludes_moe_act_layernorm_recompute",
+         {**SELECTIVE, "recompute_modules": ["moe_act"], "moe_grouped_gemm": True, "fp8": "hybrid"},
+         {**SELECTIVE, "recompute_modules": ["moe_act"], "moe_grouped_gemm": True, "fp8": "hybrid",
+          "fp8_recipe": "tensorwise"}),
 ]
 
 
@@ -170,6 +182,24 @@ def test_layernorm_recompute_allowed_before_0_19_and_with_te() -> None:
     config = cfg(**SELECTIVE, recompute_modules=["layernorm"])
     assert violations(config, make_context(transformer_engine=None, megatron_core="0.16.1")) == []
     assert violations(config, make_context(megatron_core="0.19.2")) == []
+
+
+def test_fp8_follows_the_accelerator() -> None:
+    """FP8 needs Hopper or Blackwell tensor cores; MXFP8 needs Blackwell."""
+    mxfp8 = cfg(fp8="hybrid", fp8_recipe="mxfp8")
+    assert violations(mxfp8, make_context(accelerator="gb200")) == []
+    assert violations(mxfp8, make_context(accelerator="b200")) == []
+    assert "mxfp8_needs_blackwell" in {v.rule for v in violations(mxfp8, make_context(accelerator="h100"))}
+    on_cpu = {v.rule for v in violations(cfg(fp8="e4m3"), make_context(accelerator="cpu"))}
+    assert "fp8_needs_te_and_fp8_tensor_cores" in on_cpu
+    native = make_context(trainable="native", model="cpu_tiny_moe_vlm")
+    assert "trainable_honours_value" in {v.rule for v in violations(cfg(fp8="e4m3"), native)}
+
+
+def test_megatron_trainable_refuses_full_iteration_graphs() -> None:
+    """The megatron trainable's loop has no full-iteration graph wrapper: it never ignores the knob."""
+    found = violations(cfg(cuda_graph_impl="full_iteration"), make_context(model_overrides=DROP_AND_PAD["model_overrides"]))
+    assert {v.rule for v in found} == {"trainable_honours_value"}
 
 
 def test_every_violation_is_listed() -> None:

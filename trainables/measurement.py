@@ -32,6 +32,7 @@ def measurement_contract(
     versions: Mapping[str, str | None] = MappingProxyType({}),
     cpu_threads_per_rank: int | None = None,
     layer_spec: str | None = None,
+    kernels: Mapping[str, bool] | None = None,
 ) -> Contract:
     """The contract of a burst of ``trainable`` run for ``request`` on ``device`` (this rank's).
 
@@ -42,6 +43,7 @@ def measurement_contract(
         versions: versions beyond Python's and torch's (megatron-core, Transformer Engine, CUDA).
         cpu_threads_per_rank: intra-op threads of each rank, where the CPU computes.
         layer_spec: megatron-core's layer specs, for a trainable built from them.
+        kernels: the fused kernels it chose that no knob owns.
     """
     return Contract(
         trainable=trainable,
@@ -55,7 +57,7 @@ def measurement_contract(
         timing=timing,
         flops_convention=CONVENTION,
         config=request.config,
-        **_given(layer_spec=layer_spec),
+        **_given(layer_spec=layer_spec, kernels=dict(kernels) if kernels is not None else None),
     )
 
 

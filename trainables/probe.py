@@ -1,12 +1,14 @@
 """What this machine can run: accelerator, versions, Transformer Engine, DeepEP / HybridEP.
 
-Reads package metadata and asks torch about devices; it imports neither megatron-core nor
-Transformer Engine (megatron-core 0.19 needs triton just to import), so it answers in a second
-on any node, GPU or not.
+Reads package metadata and asks torch about devices. It never imports megatron-core (0.19 needs
+triton just to import); it imports Transformer Engine's PyTorch module only where TE is installed,
+because an install whose core library cannot load (a missing cuDNN, a CUDA mismatch) reads as
+installed in the metadata yet fails the first burst: such a TE counts as absent, with the reason.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import importlib.util
 import platform
@@ -36,12 +38,27 @@ def accelerator_label(device_name: str | None) -> Accelerator | None:
     return next((label for key, label in _ACCELERATORS if key in device_name.upper()), None)
 
 
+@functools.cache
+def transformer_engine_status() -> tuple[str | None, str | None]:
+    """``(version, None)`` when Transformer Engine's PyTorch module loads, ``(None, None)`` when TE
+    is not installed, ``(None, reason)`` when it is installed but cannot load: the reason is one
+    line naming what is missing (``ImportError: libcudnn.so.9: cannot open shared object file``)."""
+    if importlib.util.find_spec("transformer_engine") is None:
+        return None, None
+    version = _version("transformer-engine", "transformer_engine") or "unknown"
+    try:
+        importlib.import_module("transformer_engine.pytorch")
+    except Exception as exc:  # noqa: BLE001 - any failure to load is the same fact: TE unusable here
+        first_line = (str(exc).strip().splitlines() or [""])[0][:300]
+        return None, f"Transformer Engine {version} is installed but cannot load: {type(exc).__name__}: {first_line}"
+    return version, None
+
+
 def probe() -> dict:
     """This machine's stack as plain data (JSON-able)."""
     cuda = torch.cuda.is_available()
     name = torch.cuda.get_device_name(0) if cuda else None
-    transformer_engine = _version("transformer-engine", "transformer_engine") \
-        if importlib.util.find_spec("transformer_engine") is not None else None
+    transformer_engine, transformer_engine_error = transformer_engine_status()
     deep_ep = importlib.util.find_spec("deep_ep") is not None
     return {
         "host": platform.node(),
@@ -54,6 +71,7 @@ def probe() -> dict:
         "cuda": torch.version.cuda if cuda else None,
         "megatron_core": _version("megatron-core", "megatron_core"),
         "transformer_engine": transformer_engine,
+        "transformer_engine_error": transformer_engine_error,
         "deep_ep": deep_ep,
         # HybridEP ships inside DeepEP's hybrid-ep branch as deep_ep.HybridEPBuffer.
         "hybrid_ep": deep_ep and _has_attribute("deep_ep", "HybridEPBuffer"),

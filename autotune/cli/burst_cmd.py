@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict
 from pathlib import Path
@@ -16,7 +17,8 @@ from autotune.cli import console
 from autotune.core.contract import BurstRequest, DataSpec
 from autotune.core.errors import AutotuneError
 from autotune.core.knobs import complete_config
-from autotune.rules import violations
+from autotune.engine.probe import probe_this_machine, probed_stack
+from autotune.rules import RuleContext, violations
 from autotune.space import load_space, target_context
 
 
@@ -41,6 +43,7 @@ def burst(
         loaded_space, context = loaded.space, loaded.rule_context
         folder = data_folder(loaded.spec.data.source, loaded.spec.data.path, loaded.path.parent)
         mock = mock or loaded.spec.data.realism == "mock"
+    context = _judged_by_this_machine(context)
     try:
         values = json.loads(config)
     except json.JSONDecodeError as exc:
@@ -72,6 +75,15 @@ def burst(
         console.print(f"wrote {json_out}")
     if summary["outcome"] != "ok":
         raise typer.Exit(1)
+
+
+def _judged_by_this_machine(context: RuleContext) -> RuleContext:
+    """The rules judge the config against what this machine runs (the probe), not what the
+    campaign assumed: a burst of grouped GEMM runs where Transformer Engine imports."""
+    stack, changes = probed_stack(context.stack, [probe_this_machine()], uses_stack=context.trainable.requires_cuda)
+    for change in changes:
+        console.print(f"capability probe: {escape(change)}; the rules use what this machine runs", highlight=False)
+    return dataclasses.replace(context, stack=stack)
 
 
 def _print(summary: dict) -> None:

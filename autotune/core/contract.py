@@ -226,6 +226,8 @@ class Contract(_Record):
     """The model preset as run (``ModelSpec`` fields)."""
     layer_spec: str | None = None
     """megatron-core's layer specs: ``transformer_engine`` or ``local``."""
+    kernels: dict[str, bool] | None = None
+    """Fused kernels the trainable chose and no knob owns (megatron-core's fusion fields)."""
     data: DataProvenance | None = None
     precision: str | None = None
     shapes: Shapes | None = None

@@ -6,17 +6,16 @@ from __future__ import annotations
 import dataclasses
 import json
 
-import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
 from autotune.campaign import Campaign
+from autotune.core.contract import StackCapabilities
 from autotune.core.errors import AutotuneError
 from autotune.core.tables import RecordedTable
 
 SOFTWARE_FIELDS = ("megatron_core", "transformer_engine", "deep_ep", "hybrid_ep")
 
 
-def _probe_node() -> dict:
+def probe_this_machine() -> dict:
+    """The probe of the machine this process runs on (``autotune burst`` judges configs by it)."""
     from trainables.probe import probe
 
     return probe()
@@ -24,9 +23,12 @@ def _probe_node() -> dict:
 
 def probe_cluster(accelerator_resource: str | None) -> list[dict]:
     """One probe per alive node (holding ``accelerator_resource``, e.g. ``GPU``, when given)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
     nodes = [n for n in ray.nodes() if n["Alive"]
              and (accelerator_resource is None or n["Resources"].get(accelerator_resource, 0) > 0)]
-    remote = ray.remote(_probe_node)
+    remote = ray.remote(probe_this_machine)
     return ray.get([
         remote.options(num_cpus=0, num_gpus=0,
                        scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote()
@@ -44,15 +46,20 @@ def recorded_probes(table: RecordedTable) -> list[dict]:
 
 
 def apply_probe(campaign: Campaign, probes: list[dict]) -> tuple[Campaign, list[str]]:
-    """The campaign with its stack's software replaced by what the nodes run, and what changed.
-
-    Nodes that disagree on megatron-core are a clear error (one campaign, one stack); a package
-    that some nodes lack counts as absent.
-    """
+    """The campaign with its stack's software replaced by what the nodes run, and what changed."""
     if not probes:
         raise AutotuneError(f"no alive Ray node can run a {campaign.stack.accelerator} trial")
-    if campaign.stack.has_cuda and not any(p["device_count"] for p in probes):
-        raise AutotuneError(f"the campaign targets {campaign.stack.accelerator} but no node has a CUDA device")
+    stack, changes = probed_stack(campaign.stack, probes, uses_stack=campaign.trainable.requires_cuda)
+    return dataclasses.replace(campaign, stack=stack), changes
+
+
+def probed_stack(assumed: StackCapabilities, probes: list[dict], uses_stack: bool) -> tuple[StackCapabilities, list[str]]:
+    """``assumed`` with its software replaced by what the probed machines run, and each change in
+    words. Machines that disagree on megatron-core are a clear error (one campaign, one stack); a
+    package that some machines lack, or cannot load, counts as absent. ``uses_stack`` is false for
+    a trainable that needs none of these packages (the native one): nothing changes then."""
+    if assumed.has_cuda and not any(p["device_count"] for p in probes):
+        raise AutotuneError(f"the campaign targets {assumed.accelerator} but no node has a CUDA device")
     versions = {p["megatron_core"] for p in probes}
     if len(versions) > 1:
         raise AutotuneError(f"nodes run different megatron-core versions: {sorted(map(str, versions))}")
@@ -63,8 +70,9 @@ def apply_probe(campaign: Campaign, probes: list[dict]) -> tuple[Campaign, list[
         "deep_ep": all(p["deep_ep"] for p in probes),
         "hybrid_ep": all(p["hybrid_ep"] for p in probes),
     }
-    if not campaign.trainable.requires_cuda:
-        return campaign, []  # the native trainable uses none of these packages
-    changes = [f"{name}: campaign assumed {getattr(campaign.stack, name)!r}, nodes run {probed[name]!r}"
-               for name in SOFTWARE_FIELDS if getattr(campaign.stack, name) != probed[name]]
-    return dataclasses.replace(campaign, stack=campaign.stack.model_copy(update=probed)), changes
+    if not uses_stack:
+        return assumed, []
+    changes = [f"{name}: campaign assumed {getattr(assumed, name)!r}, nodes run {probed[name]!r}"
+               for name in SOFTWARE_FIELDS if getattr(assumed, name) != probed[name]]
+    changes += sorted({p["transformer_engine_error"] for p in probes if p.get("transformer_engine_error")})
+    return assumed.model_copy(update=probed), changes

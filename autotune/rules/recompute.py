@@ -90,3 +90,15 @@ def _mlp_recompute_needs_dense_layers(config: Config, ctx: RuleContext) -> str |
     if selective(config, "mlp") and not ctx.model.has_dense_layers:
         return f"{ctx.model.name} has no dense MLP layers, so recomputing mlp does nothing"
     return None
+
+
+@rule(
+    "fp8_delayed_excludes_moe_act_layernorm_recompute",
+    source="megatron-core",
+    summary="fp8 delayed scaling cannot recompute moe_act or layernorm",
+)
+def _fp8_delayed_recompute(config: Config, ctx: RuleContext) -> str | None:
+    recomputed = [module for module in ("moe_act", "layernorm") if selective(config, module)]
+    if config.fp8 != "none" and config.fp8_recipe == "delayed" and recomputed:
+        return f"fp8 delayed scaling does not support {' and '.join(recomputed)} recompute; use tensorwise or blockwise"
+    return None

@@ -106,3 +106,60 @@ def _local_specs_sp_cp(config: Config, ctx: RuleContext) -> str | None:
         return None
     return f"without Transformer Engine the {ctx.trainable.name} trainable builds megatron-core's local layer specs: " \
         + "; ".join(reasons)
+
+
+_FP8_ACCELERATORS = frozenset({"h100", "h200", "b200", "gb200"})
+_BLACKWELL = frozenset({"b200", "gb200"})
+
+
+@rule("fp8_needs_te_and_fp8_tensor_cores", source="stack",
+      summary="fp8 runs in Transformer Engine's layers on Hopper or Blackwell")
+def _fp8_stack(config: Config, ctx: RuleContext) -> str | None:
+    if config.fp8 == "none":
+        return None
+    if ctx.stack.accelerator not in _FP8_ACCELERATORS:
+        return f"fp8={config.fp8} needs FP8 tensor cores (Hopper or Blackwell); this stack is {ctx.stack.accelerator}"
+    if ctx.stack.transformer_engine is None:
+        return f"fp8={config.fp8} runs in Transformer Engine's layers, which this stack lacks"
+    return None
+
+
+@rule("mxfp8_needs_blackwell", source="stack", summary="the mxfp8 recipe needs Blackwell (B200 / GB200)")
+def _mxfp8_needs_blackwell(config: Config, ctx: RuleContext) -> str | None:
+    if config.fp8_recipe == "mxfp8" and ctx.stack.accelerator not in _BLACKWELL:
+        return (f"fp8_recipe=mxfp8 scales 32-element blocks in hardware only Blackwell has; "
+                f"this stack is {ctx.stack.accelerator}")
+    return None
+
+
+@rule("moe_fusions_need_te", source="stack",
+      summary="moe_permute_fusion and moe_router_fusion are Transformer Engine kernels")
+def _moe_fusions_need_te(config: Config, ctx: RuleContext) -> str | None:
+    fused = [name for name in ("moe_permute_fusion", "moe_router_fusion") if config[name]]
+    if fused and ctx.stack.transformer_engine is None:
+        return f"{' and '.join(fused)} use Transformer Engine's fused kernels, which this stack lacks"
+    return None
+
+
+@rule(
+    "local_graphs_exclude_grouped_gemm_on_mcore_0_19",
+    source="stack",
+    summary="local CUDA graphs with grouped GEMM experts hit a device-side assert on megatron-core >= 0.19",
+)
+def _local_graphs_grouped_gemm(config: Config, ctx: RuleContext) -> str | None:
+    # Measured on the H200 (megatron-core 0.19.2, TE 2.20.2, scope attn moe_router moe_preprocess):
+    # the first replays index out of bounds in a gather ("vectorized gather kernel index out of
+    # bounds", under CUDA_LAUNCH_BLOCKING=1), the graphs having captured routing-dependent indices
+    # from megatron-core's zero-filled capture inputs; the same scope without grouped GEMM runs.
+    stack = ctx.stack
+    if (
+        ctx.trainable.megatron_core_layers
+        and config.cuda_graph_impl == "local"
+        and config.moe_grouped_gemm
+        and stack.megatron_core is not None
+        and Version(stack.megatron_core) >= Version("0.19.0")
+    ):
+        return (f"local CUDA graphs with grouped GEMM experts fail with a device-side assert on megatron-core "
+                f"{stack.megatron_core} (an out-of-bounds gather at the first replays); use transformer_engine "
+                "graphs or no grouped GEMM")
+    return None

@@ -9,12 +9,13 @@ RNG trackers and CUDA-graph records in module globals).
 
 from __future__ import annotations
 
+import contextlib
 import gc
-import importlib.util
+import logging
 import time
 import traceback
-from dataclasses import dataclass
-from typing import Any, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -29,26 +30,114 @@ from autotune.core.contract import (
     Shapes,
     StepRecord,
 )
+from autotune.core.knobs import Config
 from trainables.data.loader import MicroBatch, rank_loader
 from trainables.measurement import measurement_contract
+from trainables.probe import transformer_engine_status
 from trainables.stage_clock import StageClock
 from trainables.steps import LocalMeasures, StepCounts, count_batches, finish_step, peak_memory_bytes, run_steps
 
 
 OOM_ERRORS = (torch.OutOfMemoryError,)
 SEED = 1234
+log = logging.getLogger(__name__)
 
 
-def transformer_engine_version() -> str | None:
-    """The installed Transformer Engine's version, or ``None`` when it cannot be imported."""
-    if importlib.util.find_spec("transformer_engine") is None:
-        return None
+class _CountedGraph:
+    """A graphed callable that counts its replays (TE's graphed callables keep no count);
+    ``reset`` and ``backward_dw``, which megatron-core calls on them, pass through."""
+
+    def __init__(self, graph: Callable) -> None:
+        self.graph = graph
+        self.replays = 0
+
+    def __call__(self, *args, **kwargs):
+        self.replays += 1
+        return self.graph(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self.graph, name)
+
+
+@contextlib.contextmanager
+def _captures_in_thread_local_mode() -> Iterator[None]:
+    """Make ``torch.cuda.graph`` capture in ``thread_local`` error mode while TE captures.
+
+    Why: TE's ``make_graphed_callables`` captures in torch's default ``global`` mode, where a
+    potentially unsafe CUDA call from *any* thread invalidates the capture, and the data loader's
+    pin-memory thread keeps pinning decoded image batches (host-allocator event queries) during the
+    seconds the layers take to capture. ``thread_local`` still forbids such calls on the capturing
+    thread, which is what matters for the graph; megatron-core's own local graphs capture so."""
+    graph_class = torch.cuda.graph
+
+    class _ThreadLocalGraph(graph_class):
+        def __init__(self, *args, capture_error_mode: str = "thread_local", **kwargs) -> None:
+            super().__init__(*args, capture_error_mode=capture_error_mode, **kwargs)
+
+    torch.cuda.graph = _ThreadLocalGraph
     try:
-        import transformer_engine
+        yield
+    finally:
+        torch.cuda.graph = graph_class
 
-        return getattr(transformer_engine, "__version__", "unknown")
-    except Exception:  # noqa: BLE001 - a broken TE install is an absent TE
-        return None
+
+def _train_on_the_capture_stream(device: torch.device) -> None:
+    """Run the whole burst on the stream Transformer Engine captures its graphs on.
+
+    Why: autograd's gradient-accumulation nodes of the parameters keep the stream of the eager
+    steps before the capture. When that is the default stream, capturing the backward makes it wait
+    on the capture and CUDA invalidates the capture ("operation would make the legacy stream depend
+    on a capturing blocking stream": every scope failed so on the H200 with torch 2.11). torch 2.13
+    can redirect such stale streams (``torch.autograd.graph.set_override_stale_capture_stream``);
+    on any torch, eager steps that already run on the capture stream leave nothing stale. TE
+    captures on ``torch.cuda.graph``'s default capture stream (it passes none), so that stream
+    becomes this burst's current stream before the model exists, as megatron-core's local graphs
+    move the process to a side stream of their own."""
+    stream = torch.cuda.Stream(device)
+    torch.cuda.graph.default_capture_stream = stream
+    torch.cuda.set_stream(stream)
+
+
+@dataclass
+class TransformerEngineGraphs:
+    """megatron-core's ``TECudaGraphHelper`` driven as Megatron-LM's and Megatron-Bridge's training
+    loops drive it: ``cuda_graph_warmup_steps`` eager steps, then the graphs are captured before the
+    next step's forward-backward and replayed from then on. Without this a config that sets
+    ``cuda_graph_impl: transformer_engine`` runs every layer eagerly (the layers only replay graphs
+    the helper made), so a trial would measure no graphs under a graph knob."""
+
+    helper: Any
+    capture_step: int
+    overlap_param_gather: bool
+    graphs: list[_CountedGraph] = field(default_factory=list)
+    capture_seconds: float | None = None
+
+    def before_step(self, step: int) -> None:
+        if step != self.capture_step or self.helper.capture_finished():
+            return
+        start = time.perf_counter()
+        with _captures_in_thread_local_mode():
+            self.helper.create_cudagraphs()
+        if self.overlap_param_gather:
+            # DDP's parameter all-gather hook runs before each graphed module's replay.
+            self.helper.cuda_graph_set_manual_hooks()
+        self.capture_seconds = time.perf_counter() - start
+        for layer in self.helper.flattened_callables:
+            layer.cuda_graphs = [_CountedGraph(graph) for graph in layer.cuda_graphs]
+            self.graphs.extend(layer.cuda_graphs)
+        log.info("captured %d TE graphs in %.1f s", len(self.graphs), self.capture_seconds)
+
+    def observed(self) -> dict[str, Any]:
+        return {
+            "te_graphs_captured": len(self.graphs),
+            "te_graph_replays": sum(graph.replays for graph in self.graphs),
+            "te_graph_capture_step": self.capture_step,
+            "te_graph_capture_seconds": self.capture_seconds,
+        }
+
+    def delete(self) -> None:
+        if self.helper.graphs_created():
+            self.helper.delete_cuda_graphs()
 
 
 @dataclass
@@ -67,8 +156,13 @@ class MegatronRun:
     batches: Iterator[MicroBatch]
     num_microbatches: int
     layer_spec: str
+    kernels: dict[str, bool]
+    """The decoder's fused kernels no knob owns (see ``decoder_kernel_fields``)."""
+    te_graphs: TransformerEngineGraphs | None = None
     checkpoint_nodes: int = 0
     """Recompute nodes in the first step's autograd graph (before any CUDA graph hides them)."""
+    fp8_observed: dict[str, Any] | None = None
+    """What Transformer Engine's FP8 state was inside the first decoder layer on step 0."""
 
     def evidence(self) -> Evidence:
         """What the run observed of its knobs, and per knob whether that matches the config."""
@@ -79,32 +173,44 @@ class MegatronRun:
         return megatron_contract(self)
 
     def _checks(self, observed: dict[str, Any]) -> dict[str, bool]:
+        """Each check compares an observation with the config both ways, so it fails when the knob
+        is set and did nothing as well as when it is unset and something happened anyway."""
         config = self.request.config
         data_parallel = observed["data_parallel"]
-        return {
+        checks = {
             "recompute_granularity": (observed["recompute_checkpoint_nodes"] > 0) == (config.recompute_granularity != "none"),
-            "freeze_vision_model": observed["frozen_vision_params_with_grad"] in (None, 0),
             "expert_model_parallel_size": observed["ep_group_size"] == config.expert_model_parallel_size,
             "tensor_model_parallel_size": observed["tp_group_size"] == config.tensor_model_parallel_size,
             "use_torch_fsdp2": (data_parallel == "TorchFullyShardedDataParallel") == bool(config.use_torch_fsdp2),
             "use_megatron_fsdp": (data_parallel == "FullyShardedDataParallel") == bool(config.use_megatron_fsdp),
-            "cuda_graph_impl": (observed["cuda_graph_units"] > 0) == (config.cuda_graph_impl == "local"),
+            "cuda_graph_impl": {
+                "none": observed["cuda_graph_units"] == 0 and observed.get("te_graphs_captured", 0) == 0,
+                "local": observed["cuda_graph_units"] > 0,
+                "transformer_engine": observed.get("te_graph_replays", 0) > 0,
+            }.get(config.cuda_graph_impl, False),
+            "moe_grouped_gemm": ("Grouped" in str(observed["experts_module"])) == bool(config.moe_grouped_gemm),
         }
+        if observed["frozen_vision_params_with_grad"] is not None:
+            frozen = observed["frozen_vision_params_with_grad"] == 0
+            checks["freeze_vision_model"] = frozen == bool(config.freeze_vision_model)
+        if self.fp8_observed is not None:
+            checks["fp8"] = self.fp8_observed["enabled"] == (config.fp8 != "none")
+        return checks
 
     def _observed(self) -> dict[str, Any]:
         from megatron.core import parallel_state
         from megatron.core.transformer.cuda_graphs import _CudagraphGlobalRecord
 
-        config = self.request.config
         frozen_with_grad = None
-        if config.freeze_vision_model and self.vlm.pre_process:
+        if self.vlm.pre_process:
             frozen_with_grad = sum(p.requires_grad or getattr(p, "main_grad", None) is not None
                                    for p in self.vlm.vision_model.parameters())
         graph_units = sum(
             sum(runner.fwd_graph is not None for runner in module.cudagraph_runners)
             for module in self.vlm.modules() if hasattr(module, "cudagraph_runners")
         )
-        experts = next((m for m in self.vlm.modules() if hasattr(m, "num_local_experts")), None)
+        moe_layer = next((m for m in self.vlm.modules() if hasattr(m, "experts") and hasattr(m, "router")), None)
+        experts = moe_layer.experts if moe_layer is not None else None
         return {
             "layer_spec": self.layer_spec,
             "recompute_checkpoint_nodes": self.checkpoint_nodes,
@@ -114,27 +220,32 @@ class MegatronRun:
             "tp_group_size": parallel_state.get_tensor_model_parallel_world_size(),
             "pp_group_size": parallel_state.get_pipeline_model_parallel_world_size(),
             "local_experts_per_moe_layer": getattr(experts, "num_local_experts", None),
+            "experts_module": type(experts).__name__ if experts is not None else None,
             "data_parallel": type(self.model).__name__,
             "cuda_graph_units": graph_units,
             "cuda_graphs_created": bool(_CudagraphGlobalRecord.cudagraph_created),
+            **(self.te_graphs.observed() if self.te_graphs is not None else {}),
+            **({"fp8": self.fp8_observed} if self.fp8_observed is not None else {}),
         }
 
 
 def build_run(request: BurstRequest, device: torch.device) -> MegatronRun:
-    """Parallel groups, model, data-parallel wrapper and optimizer; a config megatron-core
-    rejects raises :class:`InvalidConfig`."""
+    """Parallel groups, model, data-parallel wrapper, optimizer and (for TE graphs) the graph
+    helper; a config megatron-core rejects raises :class:`InvalidConfig`."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from trainables.megatron.config_mapping import build_ddp_config, build_transformer_config, freeze_arguments
-    from trainables.megatron.model import PORTABLE_FIELDS, MegatronMoEVLM
+    from trainables.megatron.model import MegatronMoEVLM, decoder_kernel_fields
 
     config = request.config
-    use_te = transformer_engine_version() is not None
+    use_te = transformer_engine_status()[0] is not None
+    kernels = decoder_kernel_fields(use_te)
     with _invalid_on_rejection("megatron-core rejected the config"):
-        decoder_config = build_transformer_config(config, request.model, extra=PORTABLE_FIELDS)
+        decoder_config = build_transformer_config(config, request.model, extra=kernels)
         ddp_config = build_ddp_config(config)
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=config.tensor_model_parallel_size,
@@ -144,7 +255,15 @@ def build_run(request: BurstRequest, device: torch.device) -> MegatronRun:
             expert_model_parallel_size=config.expert_model_parallel_size,
             expert_tensor_parallel_size=config.expert_tensor_parallel_size,
         )
-    model_parallel_cuda_manual_seed(SEED, use_cudagraphable_rng=config.cuda_graph_impl == "local")
+    # As Megatron-LM: with any CUDA graphs, TE's RNG tracker where TE is installed (its graphs
+    # register only its own generators), megatron-core's graph-safe one otherwise.
+    graphs = config.cuda_graph_impl != "none"
+    model_parallel_cuda_manual_seed(SEED, te_rng_tracker=graphs and use_te, use_cudagraphable_rng=graphs)
+    # A pipeline needs at least as many micro-batches as stages to fill.
+    num_microbatches = config.pipeline_model_parallel_size
+    dp = parallel_state.get_data_parallel_world_size()
+    init_num_microbatches_calculator(dist.get_rank(), None, config.micro_batch_size * num_microbatches * dp,
+                                     config.micro_batch_size, dp)
     with _invalid_on_rejection("megatron-core could not build the model for the config"):
         vlm = MegatronMoEVLM(
             decoder_config, request.model, use_te,
@@ -167,19 +286,47 @@ def build_run(request: BurstRequest, device: torch.device) -> MegatronRun:
     decoder_config.grad_scale_func = optimizer.scale_loss
     if isinstance(model, DistributedDataParallel):
         decoder_config.no_sync_func = model.no_sync
+    te_graphs = None
+    if config.cuda_graph_impl == "transformer_engine":
+        from megatron.core.transformer.cuda_graphs import TECudaGraphHelper
+
+        with _invalid_on_rejection("megatron-core's TE graph helper rejected the config"):
+            helper = TECudaGraphHelper(model=[model], config=decoder_config, seq_length=request.model.seq_length,
+                                       micro_batch_size=config.micro_batch_size, optimizers=[optimizer])
+        te_graphs = TransformerEngineGraphs(helper, capture_step=decoder_config.cuda_graph_warmup_steps,
+                                            overlap_param_gather=ddp_config.overlap_param_gather)
     clock = None
     if vlm.pre_process:
         clock = StageClock({"vision": (vlm.vision_model, vlm.vision_model.patch_embed),
                             "projector": (vlm.vision_projection, vlm.vision_projection.encoder.linear_fc1)}, cuda=True)
-    batches = rank_loader(request, parallel_state.get_data_parallel_rank(),
-                               parallel_state.get_data_parallel_world_size())
-    return MegatronRun(
+    batches = rank_loader(request, parallel_state.get_data_parallel_rank(), dp)
+    run = MegatronRun(
         request=request, device=device, rank=dist.get_rank(), world_size=dist.get_world_size(),
         model=model, vlm=vlm, optimizer=optimizer, clock=clock, batches=batches,
-        # A pipeline needs at least as many micro-batches as stages to fill.
-        num_microbatches=config.pipeline_model_parallel_size,
-        layer_spec="transformer_engine" if use_te else "local",
+        num_microbatches=num_microbatches, layer_spec="transformer_engine" if use_te else "local",
+        kernels=kernels, te_graphs=te_graphs,
     )
+    if use_te:
+        _observe_fp8_on_first_step(run)
+    return run
+
+
+def _observe_fp8_on_first_step(run: MegatronRun) -> None:
+    """Record, inside the first decoder layer's attention on step 0, whether Transformer Engine
+    runs in FP8 and with which recipe (megatron-core enters FP8 inside ``TransformerBlock``)."""
+    from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
+
+    layers = run.vlm.language_model.decoder.layers
+    if len(layers) == 0:
+        return
+
+    def record(module, args) -> None:
+        enabled = FP8GlobalStateManager.is_fp8_enabled()
+        run.fp8_observed = {"enabled": enabled,
+                            "recipe": type(FP8GlobalStateManager.get_fp8_recipe()).__name__ if enabled else None}
+        handle.remove()
+
+    handle = layers[0].self_attention.register_forward_pre_hook(record)
 
 
 def _wrap_data_parallel(vlm, decoder_config, ddp_config, config):
@@ -216,7 +363,13 @@ def run_rank(request: BurstRequest, device: torch.device, reporter: Reporter | N
     """Run the burst on this rank; every rank returns a result, rank 0's carries the records."""
     if device.type != "cuda":
         return BurstResult(outcome="invalid", error="the megatron trainable trains only on CUDA devices")
+    te_problem = transformer_engine_status()[1]
+    if te_problem is not None:
+        # megatron-core imports TE where it is installed; a TE that cannot load breaks it there.
+        return BurstResult(outcome="failed", error=te_problem)
     torch.cuda.set_device(device)
+    if request.config.cuda_graph_impl == "transformer_engine":
+        _train_on_the_capture_stream(device)
     if request.memory_cap_fraction:
         torch.cuda.set_per_process_memory_fraction(request.memory_cap_fraction, device)
     run: MegatronRun | None = None
@@ -232,17 +385,26 @@ def run_rank(request: BurstRequest, device: torch.device, reporter: Reporter | N
     except Exception:  # noqa: BLE001 - anything else is the outcome `failed`, with the trace
         return BurstResult(outcome="failed", records=tuple(records), error=traceback.format_exc())
     finally:
+        try:
+            _release(run)
+        except Exception:  # noqa: BLE001 - see below
+            # A device-side assert poisons the CUDA context, and the release fails in turn; the
+            # burst's own error is the one to report (its process is not reused).
+            log.warning("releasing the burst's model and groups failed", exc_info=True)
         del run
-        _release()
 
 
-def _release() -> None:
+def _release(run: MegatronRun | None) -> None:
     """Free the model, graphs and parallel groups so nothing reaches the caller or a later burst."""
     from megatron.core import parallel_state
+    from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
     from megatron.core.transformer.cuda_graphs import _CudagraphGlobalRecord, delete_cuda_graphs
 
+    if run is not None and run.te_graphs is not None:
+        run.te_graphs.delete()
     if _CudagraphGlobalRecord.cudagraph_created or _CudagraphGlobalRecord.cudagraph_record:
         delete_cuda_graphs()
+    destroy_num_microbatches_calculator()
     parallel_state.destroy_model_parallel()
     gc.collect()
     torch.cuda.empty_cache()
@@ -285,6 +447,8 @@ def _train_step(run: MegatronRun, step: int, reporter: Reporter | None) -> tuple
 
         return output, loss_func
 
+    if run.te_graphs is not None:
+        run.te_graphs.before_step(step)
     run.model.zero_grad_buffer()
     run.optimizer.zero_grad()
     losses = get_forward_backward_func()(
@@ -344,9 +508,18 @@ def megatron_contract(run: MegatronRun) -> Contract:
         "megatron", request, run.device,
         world_size=run.world_size,
         shapes=shapes,
-        precision="bf16 parameters, fp32 main parameters and loss (megatron optimizer)",
+        precision=precision(config),
         timing="cuda events (stages), wall clock after device synchronisation (step)",
         versions={"cuda": torch.version.cuda, "megatron_core": megatron.core.__version__,
-                  "transformer_engine": transformer_engine_version()},
+                  "transformer_engine": transformer_engine_status()[0]},
         layer_spec=run.layer_spec,
+        kernels=run.kernels,
     )
+
+
+def precision(config: Config) -> str:
+    """The burst's numerics in words: runs in bf16 and in fp8 are different measurements."""
+    base = "bf16 parameters, fp32 main parameters and loss (megatron optimizer)"
+    if config.fp8 == "none":
+        return base
+    return f"{base}; fp8 {config.fp8} GEMMs with {config.fp8_recipe} scaling in Transformer Engine's decoder layers"

@@ -1,9 +1,17 @@
 """What the megatron-core trainable honours (plain data; importing it needs no megatron).
 
-Every knob maps to megatron-core; what the installed stack cannot run (TE-only paths, DeepEP,
+Every knob but full-iteration graphs maps to megatron-core; what the installed stack cannot run (TE-only paths, DeepEP,
 version bugs) is decided by the stack rules from the capability probe, not here.
 """
 
 from autotune.core.contract import TrainableSupport
 
-SUPPORT = TrainableSupport(name="megatron", requires_cuda=True, megatron_core_layers=True, fresh_process=True)
+SUPPORT = TrainableSupport(
+    name="megatron",
+    requires_cuda=True,
+    megatron_core_layers=True,
+    fresh_process=True,
+    # A full-iteration graph needs megatron-core's FullCudaGraphWrapper around the whole
+    # forward-backward, which this trainable's loop does not build.
+    allowed={"cuda_graph_impl": frozenset({"none", "local", "transformer_engine"})},
+)

@@ -18,6 +18,7 @@ sequence lengths change with every batch of images).
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 
 import torch
 import torch.nn.functional as F
@@ -38,8 +39,8 @@ from autotune.core.model import ModelSpec
 from trainables.data.tokenizer import IMAGE
 from trainables.native.model import patch_positions, sincos_2d
 
-# Fused kernels that need apex or Transformer Engine, and CPU-side initialisation (so a model
-# can be built on the meta device to count parameters).
+# Fused kernels that need apex or Transformer Engine: all off where neither is installed, and
+# always off in the ViT and projector (megatron-core's local layers and linears, without apex).
 PORTABLE_FIELDS = {
     "masked_softmax_fusion": False,
     "bias_activation_fusion": False,
@@ -48,6 +49,22 @@ PORTABLE_FIELDS = {
     "gradient_accumulation_fusion": False,
     "persist_layer_norm": False,
 }
+
+
+def decoder_kernel_fields(use_te: bool) -> dict[str, bool]:
+    """The decoder's fused kernels that no knob owns. With Transformer Engine: bias-SwiGLU,
+    bias-dropout-add and TE's fused RoPE, as Megatron-Bridge's recipes run them, and
+    gradient-accumulation fusion where apex's fused weight-gradient kernel is installed (the output
+    layer is megatron-core's ``ColumnParallelLinear``, which raises without it). Without TE, none.
+    The softmax and layer-norm fusions act on local attention and apex norms only, so they stay off."""
+    if not use_te:
+        return dict(PORTABLE_FIELDS)
+    return PORTABLE_FIELDS | {
+        "bias_activation_fusion": True,
+        "bias_dropout_fusion": True,
+        "apply_rope_fusion": True,
+        "gradient_accumulation_fusion": importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None,
+    }
 
 
 def vision_config(decoder: TransformerConfig, spec: ModelSpec) -> TransformerConfig:
@@ -134,6 +151,19 @@ class MegatronMoEVLM(MegatronModule):
             post_process=post_process,
             position_embedding_type="rope",
         )
+
+    # What megatron-core's TECudaGraphHelper looks up on the model it graphs (as Megatron-Bridge's
+    # Qwen-VL models expose them): the decoder whose layers it captures, and the rotary embedding
+    # that builds each layer's sample inputs. Properties, so parameter names stay language_model.*.
+    position_embedding_type = "rope"
+
+    @property
+    def decoder(self) -> TransformerBlock:
+        return self.language_model.decoder
+
+    @property
+    def rotary_pos_emb(self):
+        return self.language_model.rotary_pos_emb
 
     def shared_embedding_or_output_weight(self):
         return self.language_model.shared_embedding_or_output_weight()

@@ -2,9 +2,10 @@
 
 It runs data parallel (DDP or FSDP2) and expert parallel over ``torch.distributed`` with its own
 all-to-all dispatch; it has no tensor, pipeline or context parallelism, no grouped GEMM, no
-Megatron-FSDP. CUDA graphs cover the attention and router scopes only (a whole MoE layer has
-data-dependent shapes), only on CUDA, and not with FSDP2 (the burst reports that combination
-``invalid`` before step 1: sharded parameters move, captured graphs would read stale storage).
+Megatron-FSDP, no Transformer Engine (so no fp8 and none of its fused kernels). CUDA graphs cover
+the attention and router scopes only (a whole MoE layer has data-dependent shapes), only on CUDA,
+and not with FSDP2 (the burst reports that combination ``invalid`` before step 1: sharded
+parameters move, captured graphs would read stale storage).
 """
 
 from autotune.core.contract import TrainableSupport
@@ -19,6 +20,10 @@ SUPPORT = TrainableSupport(
         "sequence_parallel": frozenset({False}),
         "moe_token_dispatcher_type": frozenset({"alltoall"}),
         "moe_grouped_gemm": frozenset({False}),
+        "moe_permute_fusion": frozenset({False}),
+        "moe_router_fusion": frozenset({False}),
+        "cross_entropy_loss_fusion": frozenset({False}),
+        "fp8": frozenset({"none"}),
         "use_megatron_fsdp": frozenset({False}),
         "recompute_modules": frozenset({"core_attn", "mlp", "moe", "layernorm"}),
         "cuda_graph_impl": frozenset({"none", "local"}),
