@@ -18,7 +18,7 @@ import pytest
 from autotune.core.contract import Evidence
 from autotune.core.knobs import KNOBS, complete_config, parse_bridge_overrides, parse_megatron_lm_args
 from autotune.core.steady import SteadyEstimate
-from autotune.engine.promotion import decide, projected_headroom, promotion_candidates
+from autotune.engine.promotion import decide, gain_at_equal_fidelity, projected_headroom, promotion_candidates
 from autotune.engine.records import TrialEntry
 from autotune.engine.rundir import RunDir
 from autotune.export import FORMATS, load_document, render
@@ -93,7 +93,10 @@ def test_a_clearly_worse_config_is_pruned_with_its_partial_estimate(small_table,
 def test_promotion_runs_fifty_steps_and_the_verdict_reads_the_intervals(campaign_run) -> None:
     run_dir, _ = campaign_run
     promoted = [e for e in entries(run_dir) if e.stage == "promote" and e.space == "engine_test"]
-    assert len(promoted) == 2 and all(e.steps == 50 and e.outcome == "ok" for e in promoted)
+    # the top 2 screens and the bring-up warm start, run as long as they are for the gain over it
+    (bring_up,) = [e for e in entries(run_dir) if e.stage == "screen" and e.warm_start == "bring-up"]
+    assert bring_up.config in {e.config for e in promoted}
+    assert len(promoted) == 3 and all(e.steps == 50 and e.outcome == "ok" for e in promoted)
     assert all(all(e.evidence.checks.values()) for e in promoted)
     assert {e.promoted_from for e in promoted} <= {e.trial_id for e in entries(run_dir) if e.stage == "screen"}
     everything = [e for e in entries(run_dir) if e.stage == "promote"]  # both spaces: one verdict
@@ -195,13 +198,13 @@ def entry(trial_id: str, stage: str, objective: float | None, ci: float = 1.0, o
     estimate = None if objective is None else SteadyEstimate(
         warmup_steps=3, window=20, outliers=0, mean=objective, median=objective, ci_low=objective - ci,
         ci_high=objective + ci, confidence=0.95, relative_half_width=ci / objective, converged=False)
+    entry_fields = {"origin": "sampler" if stage == "screen" else "promotion"} | {
+        k: v for k, v in fields.items() if k in TrialEntry.model_fields}
     return TrialEntry(trial_id=trial_id, stage=stage, space="s", number=None,
-                      origin="sampler" if stage == "screen" else "promotion",
                       config=complete_config({"micro_batch_size": 1, **config}), launched=True, outcome=outcome,
                       reason="", objective=objective, estimate=estimate,
                       evidence=Evidence(checks={"recompute_granularity": checks}), device_seconds=1.0,
-                      finished_at=datetime.now(timezone.utc),
-                      **{k: v for k, v in fields.items() if k in TrialEntry.model_fields})
+                      finished_at=datetime.now(timezone.utc), **entry_fields)
 
 
 def test_promotion_takes_the_best_distinct_configs_within_reach_and_skips_promoted_ones() -> None:
@@ -217,6 +220,25 @@ def test_promotion_takes_the_best_distinct_configs_within_reach_and_skips_promot
     # d's screen (20 +- 5) cannot reach the best's lower bound (29.5) less 2 %: no long run confirms it
     records[3] = entry("d", "screen", 20.0, ci=5.0, micro_batch_size=4)
     assert [c.config.micro_batch_size for c in promotion_candidates(records[:-1], 3, "s", margin=0.02)] == [2]
+    # the bring-up warm start runs as long as the promoted configs, pruned or not, but only once
+    records.append(entry("u", "screen", 3.0, outcome="pruned", micro_batch_size=1, recompute_granularity="full",
+                         origin="warm_start", warm_start="bring-up"))
+    chosen = promotion_candidates(records[:-2] + records[-1:], 2, "s", margin=0.02)
+    assert [(c.config.micro_batch_size, c.promoted_from) for c in chosen] == [(2, "c"), (1, "u")]
+    records.append(entry("pu", "promote", 3.1, micro_batch_size=1, recompute_granularity="full"))
+    assert [c.promoted_from for c in promotion_candidates(records, 2, "s", margin=0.02)] == []
+
+
+def test_gain_over_bring_up_is_quoted_between_runs_of_equal_length_with_its_interval() -> None:
+    winner = entry("w", "promote", 30.0, ci=1.0, micro_batch_size=4)
+    base = entry("b", "promote", 10.0, ci=0.5, micro_batch_size=1)
+    gain = gain_at_equal_fidelity(winner, base)
+    assert gain.value == pytest.approx(2.0) and not gain.tie
+    assert (gain.low, gain.high) == (pytest.approx(29.0 / 10.5 - 1), pytest.approx(31.0 / 9.5 - 1))
+    close = gain_at_equal_fidelity(entry("w", "promote", 10.4, ci=1.0), base)
+    assert close.tie and "a tie" in close.describe()
+    short = entry("s", "screen", 10.0, ci=0.5, micro_batch_size=1).model_copy(update={"steps": 8})
+    assert gain_at_equal_fidelity(winner, short) is None  # never a long run over a short screen
 
 
 def test_verdict_ties_overlapping_intervals_and_rules_out_contradicted_evidence() -> None:

@@ -54,7 +54,7 @@ def print_summary(console: Console, loaded: RunReport) -> None:
     console.print(board)
     gain = loaded.gain_over_bring_up()
     if gain is not None:
-        console.print(f"winner over bring-up: {gain:+.1%} {loaded.objective}")
+        console.print(f"winner over bring-up: {gain.describe()} ({loaded.objective})")
     hours = loaded.device_hours()
     split = "; ".join(", ".join(f"{key} {value:.3f}" for key, value in group.items() if value)
                       for group in (hours.by_stage, hours.by_outcome) if any(group.values()))

@@ -15,11 +15,17 @@ from autotune.core.knobs import Config, ConfigField
 from autotune.engine.records import EntryOutcome, Launch, TrialEntry
 
 
+BRING_UP = "bring-up"
+"""The warm start every gain is quoted against (the seed's FSDP-first starting point)."""
+
+
 def promotion_candidates(entries: list[TrialEntry], top_k: int, space: str, margin: float) -> list[Launch]:
     """The ``top_k`` best distinct configs screened in ``space`` (ok outcome), best first, not yet
     promoted, leaving out those the best screen beat beyond the intervals by ``margin`` (the
     screening scheduler's pruning rule, applied once all screens are in: a long run of a config
-    its screen already ruled out would only confirm it)."""
+    its screen already ruled out would only confirm it); then the ``bring-up`` warm start, if its
+    screen ran (ok, or pruned for being slower, as a baseline is), so that the gain over it is
+    quoted between two runs of the same length, never a long run over a short screen."""
     entries = [e for e in entries if e.space == space]
     promoted = {e.config for e in entries if e.launched and e.stage == "promote"}
     screened = sorted((e for e in entries if e.screened_ok), key=lambda e: -e.objective)
@@ -36,7 +42,45 @@ def promotion_candidates(entries: list[TrialEntry], top_k: int, space: str, marg
         if entry.config not in promoted:
             chosen.append(Launch(stage="promote", space=space, config=entry.config, origin="promotion",
                                  promoted_from=entry.trial_id))
+    bring_up = next((e for e in entries if e.launched and e.stage == "screen" and e.origin == "warm_start"
+                     and e.warm_start == BRING_UP and e.outcome in ("ok", "pruned")), None)
+    if bring_up is not None and bring_up.config not in promoted | {launch.config for launch in chosen}:
+        chosen.append(Launch(stage="promote", space=space, config=bring_up.config, origin="promotion",
+                             promoted_from=bring_up.trial_id))
     return chosen
+
+
+@dataclass(frozen=True)
+class Gain:
+    """The winner over a baseline, both run for the same steps: ``value`` is the ratio of their
+    means less one; ``low`` and ``high`` bound it from the two intervals (the winner's low over the
+    baseline's high, and the other way), so a gain whose bounds hold 0 is a tie."""
+
+    value: float
+    low: float
+    high: float
+    steps: int
+
+    @property
+    def tie(self) -> bool:
+        return self.low <= 0.0 <= self.high
+
+    def describe(self) -> str:
+        interval = f"{self.low:+.1%} to {self.high:+.1%}"
+        if self.tie:
+            return f"{self.value:+.1%} ({interval}): a tie, the intervals overlap ({self.steps}-step runs)"
+        return f"{self.value:+.1%} ({interval}, {self.steps}-step runs of both)"
+
+
+def gain_at_equal_fidelity(winner: TrialEntry, baseline: TrialEntry) -> Gain | None:
+    """The winner's gain over ``baseline`` when both are finished long runs of the same length."""
+    if winner.estimate is None or baseline.estimate is None or baseline.outcome != "ok" or winner.steps != baseline.steps:
+        return None
+    w, b = winner.estimate, baseline.estimate
+    if b.mean <= 0 or b.ci_low <= 0:
+        return None
+    return Gain(value=w.mean / b.mean - 1, low=w.ci_low / b.ci_high - 1, high=w.ci_high / b.ci_low - 1,
+                steps=winner.steps)
 
 
 def projected_headroom(promoted: list[TrialEntry], reachable_tflops_per_gpu: float) -> float | None:

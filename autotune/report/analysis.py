@@ -20,7 +20,7 @@ from typing import Any
 
 from autotune.core.contract import Contract
 from autotune.core.knobs import KNOBS
-from autotune.engine.promotion import Leaderboard, Verdict, decide, leaderboard
+from autotune.engine.promotion import BRING_UP, Gain, Leaderboard, Verdict, decide, gain_at_equal_fidelity, leaderboard
 from autotune.engine.records import Spend, TrialEntry, spend
 from autotune.engine.rundir import PROBE_FILE, RunDir, open_run_dir
 
@@ -28,8 +28,6 @@ log = logging.getLogger(__name__)
 
 STAGE_PARTS = ("vision_seconds", "projector_seconds", "decoder_seconds", "data_wait_seconds")
 """The parts of a step the trainables time separately (the dispatcher runs inside the decoder)."""
-BRING_UP = "bring-up"
-"""The warm start every shipped space begins with (the seed's FSDP-first starting point)."""
 SHAPE_CHECKED = frozenset({"micro_batch_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
                            "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size"})
 """Knobs the contract's ``shapes`` show as run; every other tuned knob needs the trainable's evidence."""
@@ -128,11 +126,20 @@ class RunReport:
         """The space's ``bring-up`` warm start as screened (the seed's FSDP-first starting point)."""
         return next((b for b in self.baselines if b.warm_start == BRING_UP), None)
 
-    def gain_over_bring_up(self) -> float | None:
-        """The winner's objective (per device) over bring-up's screening figure, less one."""
-        if self.winner is None or self.bring_up is None or not self.bring_up.objective:
+    @property
+    def bring_up_promoted(self) -> TrialEntry | None:
+        """Bring-up's config run as long as the promoted configs (promotion runs it for the gain)."""
+        if self.bring_up is None:
             return None
-        return self.winner.objective / self.bring_up.objective - 1
+        return next((e for e in self.launched("promote") if e.config == self.bring_up.config), None)
+
+    def gain_over_bring_up(self) -> Gain | None:
+        """The winner over bring-up, both run for the promotion's steps; ``None`` when bring-up has
+        no such run (it did not screen ok, or the run predates this): a long run over a short
+        screen is never quoted."""
+        if self.winner is None or self.bring_up_promoted is None:
+            return None
+        return gain_at_equal_fidelity(self.winner, self.bring_up_promoted)
 
     def device_hours(self) -> DeviceHours:
         return DeviceHours(by_stage={k: v / 3600 for k, v in self.spend.by_stage.items()},
@@ -284,6 +291,9 @@ def _flags(report: RunReport, campaign) -> list[Flag]:
         flags.append(Flag("warning", "promotion skipped: no config was re-run long, so there is no verified winner"))
     elif report.winner is None:
         flags.append(Flag("warning", f"no winner: {report.verdict.summary}"))
+    if report.winner is not None and report.bring_up is not None and report.gain_over_bring_up() is None:
+        flags.append(Flag("note", "no gain over bring-up is quoted: bring-up has no finished run as long as the "
+                                  "winner's (only its screen, which never compares with a long run)"))
     if report.verdict.tied:
         flags.append(Flag("warning", f"tie: {len(report.verdict.tied)} promoted config(s) within the winner's "
                                      "interval; the ranking between them is noise"))

@@ -82,8 +82,10 @@ def _headline(report: RunReport) -> str:
                      f'(95 % {winner.estimate.ci_low:,.0f}–{winner.estimate.ci_high:,.0f})</div>')
     gain = report.gain_over_bring_up()
     if gain is not None:
-        parts.append(f'<div>over bring-up<b id="gain" data-value="{gain!r}">{gain:+.1%}</b>'
-                     f'bring-up screened {report.bring_up.objective:,.0f}</div>')
+        verdict = "a tie: the intervals overlap" if gain.tie else f"{gain.low:+.1%} to {gain.high:+.1%}"
+        parts.append(f'<div>over bring-up<b id="gain" data-value="{gain.value!r}">{gain.value:+.1%}</b>'
+                     f'{verdict}; bring-up {report.bring_up_promoted.objective:,.0f} over the same '
+                     f'{gain.steps} steps</div>')
     total = report.device_hours().total
     parts.append(f'<div>spent<b id="device-hours" data-value="{total!r}">{total:.3f}</b>device-hours, '
                  f"{len(report.launched())} trials launched</div>")
