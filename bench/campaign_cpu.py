@@ -20,8 +20,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from autotune.engine.promotion import Leaderboard, gain_at_equal_fidelity
-from autotune.engine.rundir import RunDir
+from autotune.report.analysis import load_report
 
 
 def main() -> None:
@@ -34,16 +33,10 @@ def main() -> None:
                        env={**os.environ, "RAY_ADDRESS": ""})
         wall = time.monotonic() - started
         (run_dir,) = Path(output).iterdir()
-        entries = list(RunDir(run_dir).trials.read())
         spend = json.loads((run_dir / "spend.json").read_text())
-        board = Leaderboard.model_validate_json((run_dir / "leaderboard.json").read_text())
-    screened = [e for e in entries if e.stage == "screen"]
-    bring_up = next((e for e in screened if e.warm_start == "bring-up"), None)
-    winner_id = next((row.trial_id for row in board.rows if row.winner), None)
-    winner = next((e for e in entries if e.stage == "promote" and e.trial_id == winner_id), None)
-    bring_up_long = None if bring_up is None else next(
-        (e for e in entries if e.stage == "promote" and e.launched and e.config == bring_up.config), None)
-    gain = None if winner is None or bring_up_long is None else gain_at_equal_fidelity(winner, bring_up_long)
+        run = load_report(run_dir)  # what `autotune report` reads: the verdict, bring-up, the gain
+    screened = [e for e in run.entries if e.stage == "screen"]
+    bring_up, bring_up_long, winner, gain = run.bring_up, run.bring_up_promoted, run.winner, run.gain_over_bring_up()
     report = {
         "benchmark": "campaign_cpu",
         "command": "python bench/campaign_cpu.py",
@@ -51,8 +44,8 @@ def main() -> None:
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
         "wall_seconds": wall,
         "screening": {"launched": sum(e.launched for e in screened), "outcomes": Counter(e.outcome for e in screened)},
-        "promoted": len([e for e in entries if e.stage == "promote"]),
-        "verdict": board.verdict,
+        "promoted": len([e for e in run.entries if e.stage == "promote"]),
+        "verdict": run.board.verdict,
         "spend": spend,
         "objective": "useful_tokens_per_s_per_gpu",
         "bring_up_screen": None if bring_up is None else {"objective": bring_up.objective, "outcome": bring_up.outcome},

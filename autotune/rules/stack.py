@@ -68,6 +68,13 @@ def _flex_backend_package(config: Config, ctx: RuleContext) -> str | None:
     return None
 
 
+def _megatron_core_layers_from(ctx: RuleContext, version: str) -> bool:
+    """The trainable builds megatron-core's layers, and the stack runs ``version`` or newer (the
+    version-bound crashes measured on megatron-core 0.19.2 apply from 0.19.0 on)."""
+    megatron_core = ctx.stack.megatron_core
+    return ctx.trainable.megatron_core_layers and megatron_core is not None and Version(megatron_core) >= Version(version)
+
+
 @rule(
     "layernorm_recompute_needs_te_on_mcore_0_19",
     source="stack",
@@ -76,15 +83,12 @@ def _flex_backend_package(config: Config, ctx: RuleContext) -> str | None:
 def _layernorm_recompute(config: Config, ctx: RuleContext) -> str | None:
     # Measured on the H200 with megatron-core 0.19.2 and no TE: the first step raises
     # NameError: FP8GlobalStateManager.
-    stack = ctx.stack
     if (
-        ctx.trainable.megatron_core_layers
+        _megatron_core_layers_from(ctx, "0.19.0")
         and selective(config, "layernorm")
-        and stack.transformer_engine is None
-        and stack.megatron_core is not None
-        and Version(stack.megatron_core) >= Version("0.19.0")
+        and ctx.stack.transformer_engine is None
     ):
-        return f"layernorm recompute crashes on megatron-core {stack.megatron_core} without Transformer Engine"
+        return f"layernorm recompute crashes on megatron-core {ctx.stack.megatron_core} without Transformer Engine"
     return None
 
 
@@ -151,15 +155,8 @@ def _local_graphs_grouped_gemm(config: Config, ctx: RuleContext) -> str | None:
     # the first replays index out of bounds in a gather ("vectorized gather kernel index out of
     # bounds", under CUDA_LAUNCH_BLOCKING=1), the graphs having captured routing-dependent indices
     # from megatron-core's zero-filled capture inputs; the same scope without grouped GEMM runs.
-    stack = ctx.stack
-    if (
-        ctx.trainable.megatron_core_layers
-        and config.cuda_graph_impl == "local"
-        and config.moe_grouped_gemm
-        and stack.megatron_core is not None
-        and Version(stack.megatron_core) >= Version("0.19.0")
-    ):
+    if _megatron_core_layers_from(ctx, "0.19.0") and config.cuda_graph_impl == "local" and config.moe_grouped_gemm:
         return (f"local CUDA graphs with grouped GEMM experts fail with a device-side assert on megatron-core "
-                f"{stack.megatron_core} (an out-of-bounds gather at the first replays); use transformer_engine "
+                f"{ctx.stack.megatron_core} (an out-of-bounds gather at the first replays); use transformer_engine "
                 "graphs or no grouped GEMM")
     return None
