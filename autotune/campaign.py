@@ -7,6 +7,7 @@ directory the command runs in (under ``ray job submit`` that is the job's workin
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -23,7 +24,7 @@ from autotune.core.steady import MIN_WINDOW
 from autotune.resolve import resolve_model, resolve_trainable
 from autotune.rules import RuleContext
 from autotune.search import SamplerName
-from autotune.space import SearchSpace, load_space, resolve_space_path
+from autotune.space import SearchSpace, WarmStart, load_space, resolve_space_path
 from autotune.yaml_io import load_file
 
 Objective = Literal["useful_tokens_per_s_per_gpu", "model_tflops_per_s_per_gpu"]
@@ -54,6 +55,35 @@ class DataSection(_Strict):
         if self.source == "builtin_photos" and self.path:
             raise ValueError("path is only used with source 'shards'")
         return self
+
+
+FreezablePart = Literal["vision_model", "vision_projection"]
+FREEZE_KNOBS: dict[str, str] = {"vision_model": "freeze_vision_model", "vision_projection": "freeze_vision_projection"}
+"""Each part a workload may freeze, and the knob that freezes it."""
+
+
+class WorkloadSection(_Strict):
+    """What the user's training is, which a tuned setting must not change: its global batch and
+    what it freezes. The search tunes how to run it, never what it trains."""
+
+    global_batch_size: int | None = Field(default=None, ge=1)
+    """Samples per optimizer step, as the user's recipe fixes it (Megatron-Bridge's Qwen3-VL-30B-A3B
+    GB200 recipe: 512). Each replica then accumulates GBS / (MBS × DP) micro-batches per step, and
+    a config whose MBS × DP does not divide it is rejected before launch. Unset: one micro-batch
+    per replica per step, so a larger MBS is also a larger global batch."""
+    frozen: list[FreezablePart] = Field(default_factory=list)
+    """The parts the user's training freezes (decoder-centric work freezes the vision stack).
+    Every config of the campaign freezes exactly these, unless ``tunable_freezing``."""
+    tunable_freezing: bool = False
+    """Let the search also try freezing the parts the space tunes freezing of; a winner that freezes
+    a part the workload does not is then reported as a choice the user must accept."""
+
+    @field_validator("frozen")
+    @classmethod
+    def _no_repeats(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError("names a part twice")
+        return value
 
 
 class HardwareSection(_Strict):
@@ -171,6 +201,7 @@ class CampaignFile(_Strict):
     space: str
     model: ModelSection
     data: DataSection = Field(default_factory=DataSection)
+    workload: WorkloadSection = Field(default_factory=WorkloadSection)
     hardware: HardwareSection
     stack: StackSection = Field(default_factory=StackSection)
     budget: BudgetSection
@@ -211,6 +242,7 @@ class Campaign:
             world_size=self.spec.hardware.gpus_per_trial,
             stack=self.stack,
             trainable=self.trainable,
+            global_batch_size=self.spec.workload.global_batch_size,
         )
 
     @property
@@ -222,6 +254,12 @@ class Campaign:
         """How many trials the campaign's cluster runs side by side."""
         hardware = self.spec.hardware
         return hardware.gpus_per_node * hardware.nodes // hardware.gpus_per_trial
+
+    def frozen_beyond_workload(self, config: Config) -> list[str]:
+        """The parts ``config`` freezes that the user's training trains (only a campaign with
+        ``tunable_freezing`` has such configs): a winner with any changes what is trained."""
+        workload = self.spec.workload
+        return [part for part, knob in FREEZE_KNOBS.items() if config[knob] and part not in workload.frozen]
 
     def burst_request(self, config: Config, steps: int) -> BurstRequest:
         """A burst of ``config`` as this campaign runs it: its model, data, trial size and caps
@@ -242,6 +280,7 @@ class Campaign:
             memory_cap_fraction=hardware.memory_cap_fraction,
             cpu_memory_cap_bytes=None if hardware.cpu_memory_cap_gib is None else int(hardware.cpu_memory_cap_gib * GIB),
             replay_table=None if self.replay_table is None else str(self.replay_table),
+            global_batch_size=spec.workload.global_batch_size,
         )
 
 
@@ -249,9 +288,12 @@ def builtin_campaign_path(name: str) -> Path:
     return BUILTIN_CAMPAIGNS_DIR / f"{name}.yaml"
 
 
-def load_campaign(path: Path) -> Campaign:
-    """Load a campaign file and everything it names; errors name the file and the field."""
+def load_campaign(path: Path, workload: WorkloadSection | None = None) -> Campaign:
+    """Load a campaign file and everything it names; errors name the file and the field.
+    ``workload`` replaces the file's (a replay runs the workload its table was recorded with)."""
     spec = load_file(path, CampaignFile)
+    if workload is not None:
+        spec = spec.model_copy(update={"workload": workload})
     trainable = resolve_trainable(path, "trainable", spec.trainable)
     model = resolve_model(path, "model.preset", spec.model.preset, "model.overrides", spec.model.overrides)
     space_path = resolve_space_path(spec.space, path.parent)
@@ -269,6 +311,32 @@ def load_campaign(path: Path) -> Campaign:
                                  "to project the headroom from")
         if next_space.name == space.name:
             raise InputFileError(path, "workflow.then_space", "is the campaign's own space")
+    space = _as_workload_freezes(space, spec.workload, path)
+    if next_space is not None:
+        next_space = _as_workload_freezes(next_space, spec.workload, path)
     stack = StackCapabilities(accelerator=spec.hardware.accelerator, **spec.stack.model_dump())
     return Campaign(path=path, spec=spec, space=space, model=model, stack=stack, trainable=trainable,
                     next_space=next_space)
+
+
+def _as_workload_freezes(space: SearchSpace, workload: WorkloadSection, path: Path) -> SearchSpace:
+    """``space`` with each freezing knob fixed to whether the workload freezes that part (warm
+    starts included), so no config trains less than the user's training does, or more. With
+    ``tunable_freezing`` the space's freezing choices stay, except that declared parts stay frozen."""
+    tuned, fixed = dict(space.tuned), dict(space.fixed)
+    for part, knob in FREEZE_KNOBS.items():
+        frozen = part in workload.frozen
+        if workload.tunable_freezing and not frozen:
+            continue
+        if fixed.get(knob, frozen) != frozen:
+            raise InputFileError(path, "workload.frozen",
+                                 f"the space {space.name} fixes {knob}: {fixed[knob]}, but the workload "
+                                 f"{'freezes' if frozen else 'trains'} {part}: say what the training does here "
+                                 "(or set workload.tunable_freezing to let the search try it)")
+        tuned.pop(knob, None)
+        fixed[knob] = frozen
+    warm_starts: dict[Config, WarmStart] = {}
+    for start in space.warm_starts:
+        config = start.config.replace(**{knob: fixed[knob] for knob in FREEZE_KNOBS.values() if knob in fixed})
+        warm_starts.setdefault(config, dataclasses.replace(start, config=config))
+    return dataclasses.replace(space, tuned=tuned, fixed=fixed, warm_starts=tuple(warm_starts.values()))

@@ -43,10 +43,17 @@ def document(config: Config, megatron_core_version: str | None, extra: dict[str,
 
 
 def render(config: Config, fmt: Format, megatron_core_version: str | None, extra: dict[str, Any] | None = None) -> str:
+    """``config`` in ``fmt``; the flag formats also carry the workload's global batch when ``extra``
+    holds one (a tuned MBS holds only under the global batch it was measured at)."""
+    global_batch = ((extra or {}).get("workload") or {}).get("global_batch_size")
     if fmt == "bridge":
-        return " ".join(shlex.quote(o) for o in bridge_overrides(config, megatron_core_version))
+        overrides = bridge_overrides(config, megatron_core_version)
+        overrides += [] if global_batch is None else [f"train.global_batch_size={global_batch}"]
+        return " ".join(shlex.quote(o) for o in overrides)
     if fmt == "megatron-lm":
-        return " ".join(shlex.quote(a) for a in megatron_lm_args(config, megatron_core_version))
+        args = megatron_lm_args(config, megatron_core_version)
+        args += [] if global_batch is None else ["--global-batch-size", str(global_batch)]
+        return " ".join(shlex.quote(a) for a in args)
     if fmt == "yaml":
         return yaml.safe_dump(document(config, megatron_core_version, extra), sort_keys=False)
     return json.dumps(document(config, megatron_core_version, extra), indent=2)

@@ -40,7 +40,7 @@ from typing import Any, Callable
 import optuna
 from rich.console import Console
 
-from autotune.campaign import Campaign, load_campaign
+from autotune.campaign import FREEZE_KNOBS, Campaign, WorkloadSection, load_campaign
 from autotune.core.contract import FAILED_OUTCOMES
 from autotune.core.errors import AutotuneError
 from autotune.core.knobs import Config
@@ -115,13 +115,27 @@ def replay_campaign(table: RecordedTable, seed: int, output_dir: Path, memory_mo
     path = Path(recorded.pop())
     if not path.is_file():
         raise TableError(f"{table.path}: its campaign {path} is not here (run from the folder it was recorded in)")
-    campaign, _ = apply_probe(load_campaign(path), recorded_probes(table))
+    campaign, _ = apply_probe(load_campaign(path, recorded_workload(table)), recorded_probes(table))
     table.require_complete(campaign.space)
     spec = campaign.spec.model_copy(update={
         "search": campaign.spec.search.model_copy(update={"seed": seed, "memory_model": memory_model}),
         "output_dir": str(output_dir),
     })
     return dataclasses.replace(campaign, spec=spec, replay_table=table.path.resolve())  # trials run elsewhere
+
+
+def recorded_workload(table: RecordedTable) -> WorkloadSection:
+    """The workload the table's rows ran: their global batch where all ran the same one, and each
+    part frozen where every row froze it, tuned where rows differ (tables recorded before the
+    workload was declared varied both)."""
+    batches = {row.contract.get("shapes", {}).get("global_batch_size") for row in table.rows.values()} - {None}
+    frozen, varied = [], False
+    for part, knob in FREEZE_KNOBS.items():
+        values = {config[knob] for config in table.rows}
+        frozen += [part] if values == {True} else []
+        varied |= len(values) > 1
+    return WorkloadSection(global_batch_size=batches.pop() if len(batches) == 1 else None, frozen=frozen,
+                           tunable_freezing=varied)
 
 
 class Replayer:

@@ -31,6 +31,7 @@ def make_context(
     model: str = "h200_small_moe_vlm",
     model_overrides: dict[str, Any] | None = None,
     trainable: str = "megatron",
+    global_batch_size: int | None = None,
     **stack: Any,
 ) -> RuleContext:
     """A context where only what a test names differs from a full-featured H200 megatron stack."""
@@ -39,6 +40,7 @@ def make_context(
         world_size=world_size,
         stack=StackCapabilities(**{**FULL_STACK, **stack}),
         trainable=trainable_support(trainable),
+        global_batch_size=global_batch_size,
     )
 
 
@@ -118,6 +120,8 @@ def campaign_file(folder: Path, *, max_trials: int, top_k: int = 1, space: dict 
         "trainable": "native",
         "space": str(folder / "space.yaml"),
         "model": {"preset": "cpu_tiny_moe_vlm", "overrides": TEST_MODEL},
+        # The test spaces fix a frozen ViT: a decoder-centric workload (one micro-batch per step).
+        "workload": {"frozen": ["vision_model"]},
         "hardware": {"accelerator": "cpu", "gpus_per_node": 2, "gpus_per_trial": 2, "data_workers": 0, **hardware},
         "budget": {"max_trials": max_trials},
         # Prune only what is clearly worse (by default 15 % below the best's lower bound). On this

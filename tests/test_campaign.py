@@ -73,6 +73,9 @@ BAD_CAMPAIGNS = [
     (_with("objective", "step_time"), "objective", "Input should be"),
     (_with("outputdir", "x"), "outputdir", "unknown field"),
     (_with("space", "no_such_space"), "space", "no space file at"),
+    (_with("workload.global_batch_size", 0), "workload.global_batch_size", "greater than or equal to 1"),
+    (_with("workload.frozen", ["vision_model", "vision_model"]), "workload.frozen", "names a part twice"),
+    (_with("workload.frozen", ["decoder"]), "workload.frozen[0]", "Input should be"),
 ]
 
 
@@ -100,3 +103,59 @@ def test_python_tags_are_refused(tmp_path: Path) -> None:
     path.write_text("name: !!python/object/apply:os.system ['echo pwned']\n")
     with pytest.raises(InputFileError, match="invalid YAML"):
         load_campaign(path)
+
+
+FREEZE_KNOBS = ("freeze_vision_model", "freeze_vision_projection")
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_where_the_workload_freezes_nothing_no_config_freezes_anything(path: Path) -> None:
+    campaign = load_campaign(path)
+    assert not campaign.spec.workload.frozen and not campaign.spec.workload.tunable_freezing
+    configs = [*campaign.space.configs(), *(start.config for start in campaign.space.warm_starts)]
+    assert configs and not any(config[knob] for config in configs for knob in FREEZE_KNOBS)
+    assert not any(knob in campaign.space.tuned for knob in FREEZE_KNOBS)
+
+
+def _load_with_workload(tmp_path: Path, workload: dict):
+    path = tmp_path / "campaign.yaml"
+    path.write_text(yaml.safe_dump(_with("workload", workload)))
+    return load_campaign(path)
+
+
+def test_a_declared_frozen_part_is_frozen_in_every_config(tmp_path: Path) -> None:
+    campaign = _load_with_workload(tmp_path, {"global_batch_size": 16, "frozen": ["vision_model"]})
+    configs = [*campaign.space.configs(), *(start.config for start in campaign.space.warm_starts)]
+    assert all(config.freeze_vision_model and not config.freeze_vision_projection for config in configs)
+    assert campaign.frozen_beyond_workload(configs[0]) == []
+
+
+def test_tunable_freezing_lets_the_search_try_it_and_names_what_a_config_freezes_beyond_the_workload(
+        tmp_path: Path) -> None:
+    campaign = _load_with_workload(tmp_path, {"global_batch_size": 16, "tunable_freezing": True})
+    assert campaign.space.tuned["freeze_vision_model"] == (False, True)
+    frozen = next(c for c in campaign.space.configs() if c.freeze_vision_model)
+    assert campaign.frozen_beyond_workload(frozen) == ["vision_model"]
+    assert [start.config.freeze_vision_model for start in campaign.space.warm_starts] == [False, True]
+
+
+def test_a_space_that_fixes_freezing_against_the_workload_is_refused(tmp_path: Path) -> None:
+    space = yaml.safe_load(Path("search_spaces/cpu_demo.yaml").read_text())
+    del space["tune"]["freeze_vision_model"]
+    space["fixed"]["freeze_vision_model"] = True
+    space["warm_start"] = [start for start in space["warm_start"]
+                           if "freeze_vision_model" not in start["config"]]
+    (tmp_path / "frozen.yaml").write_text(yaml.safe_dump(space))
+    path = tmp_path / "campaign.yaml"
+    path.write_text(yaml.safe_dump(_with("space", "frozen.yaml")))
+    with pytest.raises(InputFileError) as info:
+        load_campaign(path)
+    assert info.value.field == "workload.frozen"
+    assert "fixes freeze_vision_model: True, but the workload trains vision_model" in str(info.value)
+
+
+def test_the_burst_carries_the_workloads_global_batch() -> None:
+    campaign = load_campaign(Path("campaigns/cpu_demo.yaml"))
+    config = campaign.space.warm_starts[0].config
+    assert campaign.burst_request(config, 8).global_batch_size == campaign.spec.workload.global_batch_size == 16
+    assert campaign.rule_context.global_batch_size == 16

@@ -37,6 +37,16 @@ def test_every_format_reads_back_to_the_same_config(version: str) -> None:
         assert complete_config(json.loads(render(config, "json", version))["config"]) == config
 
 
+def test_the_flag_formats_carry_the_workloads_global_batch() -> None:
+    config = complete_config({"micro_batch_size": 4})
+    workload = {"workload": {"global_batch_size": 512, "frozen": [], "tunable_freezing": False}}
+    bridge = shlex.split(render(config, "bridge", "0.19.2", workload))
+    assert bridge[-1] == "train.global_batch_size=512" and parse_bridge_overrides(bridge[:-1]) == config
+    flags = shlex.split(render(config, "megatron-lm", "0.19.2", workload))
+    assert flags[-2:] == ["--global-batch-size", "512"] and parse_megatron_lm_args(flags[:-2]) == config
+    assert "global_batch_size" not in render(config, "bridge", "0.19.2")
+
+
 def test_bridge_names_follow_the_megatron_core_version() -> None:
     config = complete_config({"cuda_graph_impl": "local", "cuda_graph_scope": ["attn"]})
     assert "model.cuda_graph_scope=[attn]" in bridge_overrides(config, "0.16.1")

@@ -150,6 +150,33 @@ def test_the_end_of_a_step_evidence_and_contract_on_one_rank(model_parallel, pho
                                        "context_parallel", "expert_parallel", "expert_tensor_parallel"}
 
 
+@pytest.mark.parametrize(("micro_batch_size", "data_parallel", "expected"), [(1, 1, 8), (2, 2, 2), (4, 2, 1)])
+def test_megatron_counts_the_workloads_micro_batches_per_step(micro_batch_size: int, data_parallel: int,
+                                                              expected: int) -> None:
+    """megatron-core's own calculator, set from the workload's global batch, gives GBS / (MBS × DP)."""
+    from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
+
+    from trainables.megatron.config_mapping import init_micro_batch_calculator
+
+    request = BurstRequest(config=complete_config({"micro_batch_size": micro_batch_size}),
+                           model=model_preset("cpu_tiny_moe_vlm"), data=DataSpec("."), steps=1,
+                           world_size=data_parallel, global_batch_size=8)
+    try:
+        assert init_micro_batch_calculator(request, data_parallel, rank=0) == expected
+    finally:
+        destroy_num_microbatches_calculator()
+
+
+def test_megatron_refuses_a_global_batch_its_micro_batches_do_not_divide() -> None:
+    from autotune.core.contract import InvalidConfig
+    from trainables.megatron.config_mapping import init_micro_batch_calculator
+
+    request = BurstRequest(config=complete_config({"micro_batch_size": 4}), model=model_preset("cpu_tiny_moe_vlm"),
+                           data=DataSpec("."), steps=1, world_size=2, global_batch_size=12)
+    with pytest.raises(InvalidConfig, match=r"micro_batch_size 4 × data-parallel 2 = 8 samples"):
+        init_micro_batch_calculator(request, 2, rank=0)
+
+
 class _GraphHelper:
     """What ``TransformerEngineGraphs`` calls on megatron-core's ``TECudaGraphHelper``; each
     "graph" is a function, as TE's graphed callables are."""

@@ -289,6 +289,29 @@ def test_two_rank_bursts(photo_shards: Path, values: dict) -> None:
     assert result.contract.shapes.global_batch_size == 2 * values.get("micro_batch_size", 1)
 
 
+def test_a_step_accumulates_the_global_batch_over_two_gloo_ranks(photo_shards: Path) -> None:
+    # GBS 8 on 2 replicas: MBS 1 accumulates 4 micro-batches per rank, MBS 4 runs 1; both train on
+    # the same 8 samples per optimizer step, so their first losses agree.
+    first_losses = {}
+    for micro_batch_size in (1, 4):
+        burst = replace(request(photo_shards, steps=2, world_size=2, micro_batch_size=micro_batch_size),
+                        global_batch_size=8)
+        result = run_local(burst)
+        assert result.outcome == "ok", result.error
+        assert result.contract.shapes.num_microbatches == 8 // (micro_batch_size * 2)
+        assert result.contract.shapes.global_batch_size == 8
+        assert [record.samples for record in result.records] == [8, 8]
+        first_losses[micro_batch_size] = result.records[0].loss
+    assert first_losses[1] == pytest.approx(first_losses[4], rel=0.02)
+
+
+def test_a_global_batch_the_micro_batches_do_not_divide_is_invalid_with_the_numbers(photo_shards: Path) -> None:
+    burst = replace(request(photo_shards, world_size=2, micro_batch_size=4), global_batch_size=12)
+    result = run_local(burst)
+    assert result.outcome == "invalid"
+    assert "global batch of 12 samples" in result.error and "micro_batch_size 4 × data-parallel 2 = 8" in result.error
+
+
 # -- the end of a step, shared with the megatron trainable ------------------------------------------
 
 
@@ -384,9 +407,11 @@ NATIVE_CONTRACT_KEYS = {
     "versions": {"python", "torch"},
     "hardware": {"device", "accelerator", "world_size", "cpu_threads_per_rank"},
     "data": {"folder", "realism", "tokenizer"},
-    "shapes": {"micro_batch_size", "seq_length", "data_parallel", "global_batch_size", "expert_parallel"},
+    "shapes": {"micro_batch_size", "seq_length", "data_parallel", "global_batch_size", "expert_parallel",
+               "num_microbatches"},
 }
-"""The keys of the native contract's JSON as the trainable wrote them before contracts were typed."""
+"""The keys of the native contract's JSON as the trainable wrote them before contracts were typed, and
+the micro-batches per step since the workload fixes a global batch."""
 
 
 def test_native_contract_json_has_exactly_the_keys_it_always_had(tmp_path: Path) -> None:
@@ -397,7 +422,7 @@ def test_native_contract_json_has_exactly_the_keys_it_always_had(tmp_path: Path)
     assert written["hardware"]["accelerator"] == "cpu" and written["hardware"]["world_size"] == 2
     assert written["data"] == {"folder": str(tmp_path), "realism": "real", "tokenizer": "byte-level"}
     assert written["shapes"] == {"micro_batch_size": 4, "seq_length": SPEC.seq_length, "data_parallel": 2,
-                                 "global_batch_size": 8, "expert_parallel": 2}
+                                 "global_batch_size": 8, "expert_parallel": 2, "num_microbatches": 1}
     assert written["flops_convention"] == CONVENTION and written["config"] == burst.config.to_plain()
     assert written["model"] == json.loads(SPEC.model_dump_json())
     assert Contract.model_validate(written).to_json() == written  # reads back exactly as written

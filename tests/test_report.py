@@ -13,6 +13,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+import yaml
 
 from autotune.report.analysis import load_report
 from autotune.report.compare import compare
@@ -114,6 +115,16 @@ def test_flags_say_what_a_reader_must_know(campaign_run, tmp_path) -> None:
     texts = [f.text for f in load_report(copy).flags]
     assert any(t.startswith("mock (image-free) data") for t in texts)
     assert any(t.startswith("promotion skipped") for t in texts)
+
+    # The same run, had the workload trained the ViT and let the search freeze it: the frozen winner
+    # changes what is trained, and the report says so.
+    tunable = tmp_path / "tunable"
+    shutil.copytree(run_dir, tunable)
+    spec = yaml.safe_load((tunable / "campaign.yaml").read_text())
+    spec["workload"] = {"frozen": [], "tunable_freezing": True}
+    (tunable / "campaign.yaml").write_text(yaml.safe_dump(spec))
+    assert any(f.severity == "warning" and f.text.startswith("the winner freezes vision_model, which the workload "
+                                                             "trains") for f in load_report(tunable).flags)
 
 
 def _chromium(*args: str) -> subprocess.CompletedProcess:

@@ -41,6 +41,12 @@ CASES = [
          {"pipeline_model_parallel_size": 2}, {"world_size": 6}),
     Case("sequence_divisible_by_context_parallel", {"context_parallel_size": 3}, {"context_parallel_size": 2},
          {"world_size": 6, "model_overrides": {"seq_length": 2056}}),
+    Case("global_batch_whole_micro_batches", {"micro_batch_size": 3}, {"micro_batch_size": 4},
+         {"global_batch_size": 64}),
+    Case("interleaved_pipeline_micro_batches",
+         {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2, "micro_batch_size": 2},
+         {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2, "micro_batch_size": 1},
+         {"global_batch_size": 24}),
     Case("sequence_parallel_needs_tp", {"sequence_parallel": True},
          {"sequence_parallel": True, "tensor_model_parallel_size": 2}),
     Case("moe_tensor_parallel_needs_sequence_parallel", {"tensor_model_parallel_size": 2},
@@ -218,3 +224,11 @@ def test_sequence_and_context_parallel_rule_reads_what_the_trainable_builds() ->
     native = replace(context, trainable=replace(context.trainable, megatron_core_layers=False))
     assert "local_layer_specs_lack_sequence_context_parallel" not in {
         v.rule for v in violations(cfg(context_parallel_size=2), native)}
+
+
+def test_a_global_batch_the_micro_batches_do_not_divide_names_the_numbers() -> None:
+    found = violations(cfg(micro_batch_size=3), make_context(global_batch_size=64))
+    reason = next(v.reason for v in found if v.rule == "global_batch_whole_micro_batches")
+    assert reason == ("the global batch of 64 samples is not a whole number of micro-batches: "
+                      "micro_batch_size 3 × data-parallel 8 = 24 samples each")
+    assert not violations(cfg(micro_batch_size=3), make_context())  # no global batch declared: MBS sets it

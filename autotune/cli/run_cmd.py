@@ -104,8 +104,12 @@ def _report(campaign: Campaign, outcome: CampaignOutcome) -> None:
         winner = outcome.verdict.winner
         console.print(f"[bold green]winner[/] ({escape(outcome.verdict.summary)}): {knobs(winner)}")
         console.print("Megatron-Bridge overrides:", highlight=False)
-        console.print(escape(render(winner.config, "bridge", campaign.stack.megatron_core)), highlight=False,
+        console.print(escape(render(winner.config, "bridge", campaign.stack.megatron_core,
+                                    {"workload": campaign.spec.workload.model_dump()})), highlight=False,
                       soft_wrap=True)
+        for part in campaign.frozen_beyond_workload(winner.config):
+            console.print(f"[bold yellow]the winner freezes {part}, which this workload trains:[/] pasting it "
+                          "changes what is trained; accept it only if your training may freeze it", highlight=False)
         console.print(
             f"winner: {escape(str(outcome.run_dir.path / WINNER_FILE))} · other formats: "
             f"autotune export {escape(str(outcome.run_dir.path))} --format megatron-lm|yaml|json",

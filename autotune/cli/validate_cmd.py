@@ -50,6 +50,14 @@ def validate(
         f"data: {data.source}{' ' + data.path if data.path else ''} ({data.realism})"
         + (" [yellow]— mock data is benchmark-only and cannot win[/]" if data.realism == "mock" else "")
     )
+    workload = spec.workload
+    console.print(
+        "workload: "
+        + (f"global batch {workload.global_batch_size} samples per step" if workload.global_batch_size
+           else "no global batch (one micro-batch per replica per step: the global batch grows with MBS)")
+        + f" · frozen: {', '.join(workload.frozen) or 'nothing'}"
+        + (" · the search may also freeze what the space tunes" if workload.tunable_freezing else "")
+    )
     console.print(
         f"budget: {spec.budget.max_trials} trials"
         + (f", {spec.budget.gpu_hours} GPU-hours" if spec.budget.gpu_hours else "")

@@ -16,7 +16,7 @@ from typing import Any, Callable, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict
 
-from autotune.core.knobs import KNOBS, Config, ConfigField, Value, get_knob
+from autotune.core.knobs import KNOBS, Config, ConfigField, Value, get_knob, global_batch_misfit, micro_batches_per_step
 from autotune.core.model import ModelSpec
 
 Accelerator = Literal["cpu", "h100", "h200", "b200", "gb200"]
@@ -297,3 +297,19 @@ class BurstRequest:
     Capped ranks run in fresh processes, whose heaps hold no freed memory to reuse uncounted."""
     replay_table: str | None = None
     """The replay trainable's recorded table (``autotune/core/tables.py``); other trainables ignore it."""
+    global_batch_size: int | None = None
+    """Samples per optimizer step over all replicas, as the user's recipe fixes it: each replica
+    accumulates GBS / (MBS × DP) micro-batches per step. ``None``: one micro-batch per pipeline
+    stage, so the global batch follows MBS (tables recorded before the workload declared one)."""
+
+    @property
+    def micro_batches_per_step(self) -> int:
+        """Micro-batches per replica per step.
+
+        Raises:
+            InvalidConfig: the global batch is not a whole number of micro-batches of this config.
+        """
+        misfit = global_batch_misfit(self.config, self.world_size, self.global_batch_size)
+        if misfit is not None:
+            raise InvalidConfig(misfit)
+        return micro_batches_per_step(self.config, self.world_size, self.global_batch_size)

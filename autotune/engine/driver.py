@@ -309,6 +309,8 @@ def _write_winner(run_dir: RunDir, campaign: Campaign, verdict: Verdict) -> None
         "evidence": winner.evidence.model_dump(mode="json"),
         "contract": None if winner.contract is None else winner.contract.to_json(),
         "run_dir": str(run_dir.path.resolve()),
+        "workload": campaign.spec.workload.model_dump(mode="json"),
+        "frozen_beyond_workload": campaign.frozen_beyond_workload(winner.config),
     }
     document_text = yaml.safe_dump(document(winner.config, campaign.stack.megatron_core, extra), sort_keys=False)
     run_dir.write_text(WINNER_FILE, document_text)

@@ -294,6 +294,11 @@ def _flags(report: RunReport, campaign) -> list[Flag]:
     if report.winner is not None and report.bring_up is not None and report.gain_over_bring_up() is None:
         flags.append(Flag("note", "no gain over bring-up is quoted: bring-up has no finished run as long as the "
                                   "winner's (only its screen, which never compares with a long run)"))
+    if report.winner is not None:
+        for part in campaign.frozen_beyond_workload(report.winner.config):
+            flags.append(Flag("warning", f"the winner freezes {part}, which the workload trains "
+                                         "(tunable_freezing): pasting it changes what is trained; accept it only "
+                                         "if your training may freeze it"))
     if report.verdict.tied:
         flags.append(Flag("warning", f"tie: {len(report.verdict.tied)} promoted config(s) within the winner's "
                                      "interval; the ranking between them is noise"))

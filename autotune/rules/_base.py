@@ -27,6 +27,8 @@ class RuleContext:
     """GPUs (or CPU worker processes) one trial runs on."""
     stack: StackCapabilities
     trainable: TrainableSupport
+    global_batch_size: int | None = None
+    """The workload's samples per optimizer step (``None``: the global batch follows MBS)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from autotune.core.knobs import Config, expert_tensor_parallel
+from autotune.core.knobs import (
+    Config,
+    data_parallel,
+    expert_tensor_parallel,
+    global_batch_misfit,
+    micro_batches_per_step,
+)
 from autotune.rules._base import RuleContext, rule
 
 
@@ -114,4 +120,32 @@ def _sequence_parallel_needs_tp(config: Config, ctx: RuleContext) -> str | None:
 def _moe_tp_needs_sp(config: Config, ctx: RuleContext) -> str | None:
     if config.tensor_model_parallel_size > 1 and not config.sequence_parallel:
         return f"MoE layers with TP={config.tensor_model_parallel_size} need sequence_parallel=true"
+    return None
+
+
+@rule(
+    "global_batch_whole_micro_batches",
+    source="megatron-core",
+    summary="the workload's global batch % (MBS·DP) == 0",
+)
+def _global_batch_whole_micro_batches(config: Config, ctx: RuleContext) -> str | None:
+    return global_batch_misfit(config, ctx.world_size, ctx.global_batch_size)
+
+
+@rule(
+    "interleaved_pipeline_micro_batches",
+    source="megatron-core",
+    summary="with a virtual pipeline, micro-batches per step % PP == 0",
+)
+def _interleaved_pipeline_micro_batches(config: Config, ctx: RuleContext) -> str | None:
+    if config.virtual_pipeline_model_parallel_size is None or global_batch_misfit(
+        config, ctx.world_size, ctx.global_batch_size
+    ):
+        return None
+    count = micro_batches_per_step(config, ctx.world_size, ctx.global_batch_size)
+    pipeline = config.pipeline_model_parallel_size
+    if count % pipeline:
+        return (f"the interleaved pipeline schedule runs micro-batches in groups of PP = {pipeline}, but each step "
+                f"has {count} (global batch {ctx.global_batch_size} / (MBS {config.micro_batch_size} × DP "
+                f"{data_parallel(config, ctx.world_size)}))")
     return None

@@ -234,11 +234,15 @@ def build_run(request: BurstRequest, device: torch.device) -> MegatronRun:
     helper; a config megatron-core rejects raises :class:`InvalidConfig`."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
-    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from trainables.megatron.config_mapping import build_ddp_config, build_transformer_config, freeze_arguments
+    from trainables.megatron.config_mapping import (
+        build_ddp_config,
+        build_transformer_config,
+        freeze_arguments,
+        init_micro_batch_calculator,
+    )
     from trainables.megatron.model import MegatronMoEVLM, decoder_kernel_fields
 
     config = request.config
@@ -259,11 +263,9 @@ def build_run(request: BurstRequest, device: torch.device) -> MegatronRun:
     # register only its own generators), megatron-core's graph-safe one otherwise.
     graphs = config.cuda_graph_impl != "none"
     model_parallel_cuda_manual_seed(SEED, te_rng_tracker=graphs and use_te, use_cudagraphable_rng=graphs)
-    # A pipeline needs at least as many micro-batches as stages to fill.
-    num_microbatches = config.pipeline_model_parallel_size
+    # GBS / (MBS × DP) per step (one per pipeline stage where the workload declares no global batch).
     dp = parallel_state.get_data_parallel_world_size()
-    init_num_microbatches_calculator(dist.get_rank(), None, config.micro_batch_size * num_microbatches * dp,
-                                     config.micro_batch_size, dp)
+    num_microbatches = init_micro_batch_calculator(request, dp, dist.get_rank())
     with _invalid_on_rejection("megatron-core could not build the model for the config"):
         vlm = MegatronMoEVLM(
             decoder_config, request.model, use_te,
@@ -429,9 +431,19 @@ def _train_step(run: MegatronRun, step: int, reporter: Reporter | None) -> tuple
     request, device = run.request, run.device
     config = request.config
     start = time.perf_counter()
-    batches = [next(run.batches) for _ in range(run.num_microbatches)]
-    data_wait = time.perf_counter() - start
-    on_device = iter([batch.to(device) for batch in batches])
+    batches: list[MicroBatch] = []
+    data_wait = 0.0
+
+    def next_on_device() -> Iterator[MicroBatch]:
+        # One micro-batch at a time, as Megatron-LM's get_batch: a step of many micro-batches
+        # never holds them all on the device.
+        nonlocal data_wait
+        while True:
+            fetch = time.perf_counter()
+            batch = next(run.batches)
+            data_wait += time.perf_counter() - fetch
+            batches.append(batch)
+            yield batch.to(device)
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
@@ -452,7 +464,7 @@ def _train_step(run: MegatronRun, step: int, reporter: Reporter | None) -> tuple
     run.model.zero_grad_buffer()
     run.optimizer.zero_grad()
     losses = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=on_device, model=[run.model],
+        forward_step_func=forward_step, data_iterator=next_on_device(), model=[run.model],
         num_microbatches=run.num_microbatches, seq_length=request.model.seq_length,
         micro_batch_size=config.micro_batch_size, forward_only=False,
     )

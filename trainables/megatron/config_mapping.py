@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from packaging.version import Version
 
+from autotune.core.contract import BurstRequest
 from autotune.core.knobs import KNOBS, Config
 from autotune.core.model import ModelSpec
 
@@ -101,3 +102,15 @@ def freeze_arguments(config: Config) -> dict[str, bool]:
         for name, knob in KNOBS.items()
         if knob.megatron_target == "llava_freeze"
     } | {"freeze_language_model": False}
+
+
+def init_micro_batch_calculator(request: BurstRequest, data_parallel: int, rank: int) -> int:
+    """Set megatron-core's global micro-batch calculator to the workload's global batch, as
+    Megatron-LM and Megatron-Bridge do at start-up, and return its micro-batches per step (its own
+    count, which must equal ours: GBS / (MBS × DP))."""
+    from megatron.core.num_microbatches_calculator import get_num_microbatches, init_num_microbatches_calculator
+
+    micro_batch_size = request.config.micro_batch_size
+    global_batch_size = micro_batch_size * request.micro_batches_per_step * data_parallel
+    init_num_microbatches_calculator(rank, None, global_batch_size, micro_batch_size, data_parallel)
+    return get_num_microbatches()

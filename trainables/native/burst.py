@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.nn.parallel import DistributedDataParallel
 
 from autotune.core.contract import (
     BurstRequest,
@@ -66,6 +67,8 @@ class BurstRun:
     clock: StageClock
     batches: Iterator[MicroBatch]
     optimizer: torch.optim.Optimizer
+    micro_batches: int
+    """Micro-batches this replica accumulates into each optimizer step."""
 
     @property
     def world_size(self) -> int:
@@ -113,11 +116,13 @@ def build_run(request: BurstRequest, device: torch.device) -> BurstRun:
     Raises:
         InvalidConfig: the config asks for what this trainable cannot build here (CUDA graphs
             off CUDA or with FSDP2, an EP size that does not divide the ranks or the experts, a
-            vocabulary smaller than the tokenizer's).
+            vocabulary smaller than the tokenizer's, a global batch that is not a whole number
+            of micro-batches).
     """
     config = request.config
     world = request.world_size
     rank = dist.get_rank() if world > 1 else 0
+    micro_batches = request.micro_batches_per_step
     if config.cuda_graph_impl != "none" and device.type != "cuda":
         raise InvalidConfig(f"cuda_graph_impl={config.cuda_graph_impl} needs a CUDA device; this rank runs on "
                             f"{device.type}")
@@ -142,7 +147,7 @@ def build_run(request: BurstRequest, device: torch.device) -> BurstRun:
     wrapped = apply_data_parallel(model, config, groups, expert_params, device)
     optimizer = torch.optim.AdamW([p for p in wrapped.parameters() if p.requires_grad], lr=1e-4)
     return BurstRun(request, device, rank, model, wrapped, groups, expert_params, checkpoints, graphed, clock,
-                    batches, optimizer)
+                    batches, optimizer, micro_batches)
 
 
 def run_rank(request: BurstRequest, device: torch.device, reporter: Reporter | None = None) -> BurstResult:
@@ -207,26 +212,51 @@ def _address_space_bytes() -> int:
 
 
 def _train_step(run: BurstRun, step: int, reporter: Reporter | None) -> tuple[StepRecord, bool]:
+    """One optimizer step: the step's micro-batches accumulated (each loss scaled by their number,
+    gradients reduced across replicas on the last only, as Megatron's schedules do), then one
+    expert-gradient reduction and one optimizer update."""
     request, device = run.request, run.device
     start = time.perf_counter()
-    batch = next(run.batches)
-    data_wait = time.perf_counter() - start
-    batch = batch.to(device)
+    data_wait = 0.0
+    batches: list[MicroBatch] = []
+    losses: list[torch.Tensor] = []
     run.optimizer.zero_grad(set_to_none=True)
-    with _autocast(device):
-        out = run.wrapped(*batch.model_inputs())
-    out.loss.backward()
+    for index in range(run.micro_batches):
+        fetch = time.perf_counter()
+        batch = next(run.batches)
+        data_wait += time.perf_counter() - fetch
+        batch = batch.to(device)
+        with _gradient_sync(run.wrapped, index == run.micro_batches - 1):
+            with _autocast(device):
+                out = run.wrapped(*batch.model_inputs())
+            (out.loss / run.micro_batches).backward()
+        batches.append(batch)
+        losses.append(out.loss.detach())
     sync_expert_gradients(run.expert_params, run.groups)
     run.optimizer.step()
     stages = run.clock.collect()  # synchronises the device
     step_seconds = time.perf_counter() - start
-    # Every rank trains on its own batch: each counts it and reports its loss.
+    # Every rank trains on its own batches: each counts them and reports its mean loss.
     local = LocalMeasures(
         step_seconds=step_seconds, data_wait_seconds=data_wait, vision_seconds=stages["vision"],
         projector_seconds=stages["projector"], peak_memory_bytes=peak_memory_bytes(device),
-        counts=count_batches([batch], request), loss=out.loss.item(),
+        counts=count_batches(batches, request), loss=torch.stack(losses).mean().item(),
     )
     return finish_step(run, step, local, reporter)
+
+
+@contextmanager
+def _gradient_sync(wrapped: nn.Module, sync: bool):
+    """Reduce gradients across replicas in this backward only when ``sync``: accumulating
+    micro-batches keep theirs local until the step's last (DDP's ``no_sync``, FSDP2's switch)."""
+    if isinstance(wrapped, FSDPModule):
+        wrapped.set_requires_gradient_sync(sync)
+        yield
+    elif isinstance(wrapped, DistributedDataParallel) and not sync:
+        with wrapped.no_sync():
+            yield
+    else:
+        yield
 
 
 @contextmanager
@@ -251,11 +281,13 @@ def native_contract(request: BurstRequest, device: torch.device) -> Contract:
     config = request.config
     cuda = device.type == "cuda"
     dp = request.world_size
+    micro_batches = request.micro_batches_per_step
     shapes = Shapes(
         micro_batch_size=config.micro_batch_size,
         seq_length=request.model.seq_length,
+        num_microbatches=micro_batches,
         data_parallel=dp,
-        global_batch_size=config.micro_batch_size * dp,
+        global_batch_size=config.micro_batch_size * micro_batches * dp,
         expert_parallel=config.expert_model_parallel_size,
     )
     return measurement_contract(

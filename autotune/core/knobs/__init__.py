@@ -150,6 +150,34 @@ def expert_tensor_parallel(config: Config) -> int:
     return config.tensor_model_parallel_size if etp is None else etp
 
 
+def data_parallel(config: Config, world_size: int) -> int:
+    """Data-parallel replicas of a trial: its ranks over TP·PP·CP (floored; the rules reject the rest)."""
+    return world_size // (
+        config.tensor_model_parallel_size * config.pipeline_model_parallel_size * config.context_parallel_size
+    )
+
+
+def micro_batches_per_step(config: Config, world_size: int, global_batch_size: int | None) -> int:
+    """Micro-batches each replica accumulates into one optimizer step, as Megatron's calculator
+    counts them: GBS / (MBS × DP). Without a global batch, one per pipeline stage (the fewest that
+    fill the pipeline), so the global batch then grows with MBS."""
+    if global_batch_size is None:
+        return config.pipeline_model_parallel_size
+    return global_batch_size // (config.micro_batch_size * data_parallel(config, world_size))
+
+
+def global_batch_misfit(config: Config, world_size: int, global_batch_size: int | None) -> str | None:
+    """Why ``config`` cannot run the global batch on ``world_size`` ranks, or ``None`` when it can."""
+    if global_batch_size is None:
+        return None
+    dp = data_parallel(config, world_size)
+    per_micro_batch = config.micro_batch_size * dp
+    if dp == 0 or global_batch_size % per_micro_batch:
+        return (f"the global batch of {global_batch_size} samples is not a whole number of micro-batches: "
+                f"micro_batch_size {config.micro_batch_size} × data-parallel {dp} = {per_micro_batch} samples each")
+    return None
+
+
 def _as_config(value: Any) -> Config:
     return value if isinstance(value, Config) else complete_config(value)
 
