@@ -257,7 +257,8 @@ class Campaign:
 
     def frozen_beyond_workload(self, config: Config) -> list[str]:
         """The parts ``config`` freezes that the user's training trains (only a campaign with
-        ``tunable_freezing`` has such configs): a winner with any changes what is trained."""
+        ``tunable_freezing`` has such configs): pasting a winner that freezes any of them changes
+        what is trained."""
         workload = self.spec.workload
         return [part for part, knob in FREEZE_KNOBS.items() if config[knob] and part not in workload.frozen]
 
