@@ -96,7 +96,8 @@ def test_trials_workers_land_inside_one_nvlink_domain(tmp_path: Path, racks) -> 
     table = tmp_path / "table.jsonl"
     for mbs in (1, 2, 4, 8):
         append_row(table, RecordedBurst(
-            config=complete_config({"micro_batch_size": mbs, "moe_token_dispatcher_type": "alltoall"}).to_plain(),
+            config=complete_config({"micro_batch_size": mbs, "moe_token_dispatcher_type": "alltoall",
+                                    "freeze_vision_model": True}).to_plain(),  # campaign_file's workload freezes the ViT
             outcome="ok", step_seconds=[2.0] + [1.0 + 0.01 * (i % 3) for i in range(12)],
             useful_tokens_per_step=1000 * mbs, peak_memory_gib=1.0 * mbs, startup_seconds=5.0, error=None,
             contract={"world_size": 4, "campaign": str(path), "stack": stack},
