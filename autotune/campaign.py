@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from autotune._paths import BUILTIN_CAMPAIGNS_DIR
 from autotune.core.contract import Accelerator, BurstRequest, DataRealism, DataSpec, StackCapabilities, TrainableSupport
 from autotune.core.errors import InputFileError
-from autotune.core.knobs import Config
+from autotune.core.knobs import FREEZE_KNOBS_BY_PART, Config
 from autotune.core.model import ModelSpec
 from autotune.core.steady import MIN_WINDOW
 from autotune.resolve import resolve_model, resolve_trainable
@@ -57,9 +57,13 @@ class DataSection(_Strict):
         return self
 
 
-FreezablePart = Literal["vision_model", "vision_projection"]
-FREEZE_KNOBS: dict[str, str] = {"vision_model": "freeze_vision_model", "vision_projection": "freeze_vision_projection"}
-"""Each part a workload may freeze, and the knob that freezes it."""
+FreezablePart = Literal[tuple(FREEZE_KNOBS_BY_PART)]  # type: ignore[valid-type]
+
+
+def freezing_warning(part: str) -> str:
+    """What a reader of a winner that freezes ``part``, which the workload trains, must be told."""
+    return (f"the winner freezes {part}, which the workload trains (tunable_freezing): pasting it changes what "
+            "is trained; accept it only if your training may freeze it")
 
 
 class WorkloadSection(_Strict):
@@ -260,7 +264,7 @@ class Campaign:
         ``tunable_freezing`` has such configs): pasting a winner that freezes any of them changes
         what is trained."""
         workload = self.spec.workload
-        return [part for part, knob in FREEZE_KNOBS.items() if config[knob] and part not in workload.frozen]
+        return [part for part, knob in FREEZE_KNOBS_BY_PART.items() if config[knob] and part not in workload.frozen]
 
     def burst_request(self, config: Config, steps: int) -> BurstRequest:
         """A burst of ``config`` as this campaign runs it: its model, data, trial size and caps
@@ -325,7 +329,7 @@ def _as_workload_freezes(space: SearchSpace, workload: WorkloadSection, path: Pa
     starts included), so no config trains less than the user's training does, or more. With
     ``tunable_freezing`` the space's freezing choices stay, except that declared parts stay frozen."""
     tuned, fixed = dict(space.tuned), dict(space.fixed)
-    for part, knob in FREEZE_KNOBS.items():
+    for part, knob in FREEZE_KNOBS_BY_PART.items():
         frozen = part in workload.frozen
         if workload.tunable_freezing and not frozen:
             continue
@@ -338,6 +342,6 @@ def _as_workload_freezes(space: SearchSpace, workload: WorkloadSection, path: Pa
         fixed[knob] = frozen
     warm_starts: dict[Config, WarmStart] = {}
     for start in space.warm_starts:
-        config = start.config.replace(**{knob: fixed[knob] for knob in FREEZE_KNOBS.values() if knob in fixed})
+        config = start.config.replace(**{knob: fixed[knob] for knob in FREEZE_KNOBS_BY_PART.values() if knob in fixed})
         warm_starts.setdefault(config, dataclasses.replace(start, config=config))
     return dataclasses.replace(space, tuned=tuned, fixed=fixed, warm_starts=tuple(warm_starts.values()))

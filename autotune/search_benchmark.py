@@ -40,10 +40,10 @@ from typing import Any, Callable
 import optuna
 from rich.console import Console
 
-from autotune.campaign import FREEZE_KNOBS, Campaign, WorkloadSection, load_campaign
+from autotune.campaign import Campaign, WorkloadSection, load_campaign
 from autotune.core.contract import FAILED_OUTCOMES
 from autotune.core.errors import AutotuneError
-from autotune.core.knobs import Config
+from autotune.core.knobs import FREEZE_KNOBS_BY_PART, Config
 from autotune.core.registry import REPLAY, burst_runner
 from autotune.core.steady import steady_state
 from autotune.core.tables import RecordedBurst, RecordedTable, TableError
@@ -130,7 +130,7 @@ def recorded_workload(table: RecordedTable) -> WorkloadSection:
     workload was declared varied both)."""
     batches = {row.contract.get("shapes", {}).get("global_batch_size") for row in table.rows.values()} - {None}
     frozen, varied = [], False
-    for part, knob in FREEZE_KNOBS.items():
+    for part, knob in FREEZE_KNOBS_BY_PART.items():
         values = {config[knob] for config in table.rows}
         frozen += [part] if values == {True} else []
         varied |= len(values) > 1

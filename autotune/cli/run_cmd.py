@@ -12,7 +12,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from autotune.campaign import Campaign, builtin_campaign_path, load_campaign
+from autotune.campaign import Campaign, builtin_campaign_path, freezing_warning, load_campaign
 from autotune.cli import console
 from autotune.core.errors import InputFileError
 from autotune.engine.rundir import REPORT_FILE, WINNER_FILE, create_run_dir, open_run_dir
@@ -108,8 +108,7 @@ def _report(campaign: Campaign, outcome: CampaignOutcome) -> None:
                                     {"workload": campaign.spec.workload.model_dump()})), highlight=False,
                       soft_wrap=True)
         for part in campaign.frozen_beyond_workload(winner.config):
-            console.print(f"[bold yellow]the winner freezes {part}, which this workload trains:[/] pasting it "
-                          "changes what is trained; accept it only if your training may freeze it", highlight=False)
+            console.print(f"[bold yellow]warning:[/] {escape(freezing_warning(part))}", highlight=False)
         console.print(
             f"winner: {escape(str(outcome.run_dir.path / WINNER_FILE))} · other formats: "
             f"autotune export {escape(str(outcome.run_dir.path))} --format megatron-lm|yaml|json",

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from autotune.campaign import freezing_warning
 from autotune.core.contract import Contract
 from autotune.core.knobs import KNOBS
 from autotune.engine.promotion import BRING_UP, Gain, Leaderboard, Verdict, decide, gain_at_equal_fidelity, leaderboard
@@ -296,9 +297,7 @@ def _flags(report: RunReport, campaign) -> list[Flag]:
                                   "winner's (only its screen, which never compares with a long run)"))
     if report.winner is not None:
         for part in campaign.frozen_beyond_workload(report.winner.config):
-            flags.append(Flag("warning", f"the winner freezes {part}, which the workload trains "
-                                         "(tunable_freezing): pasting it changes what is trained; accept it only "
-                                         "if your training may freeze it"))
+            flags.append(Flag("warning", freezing_warning(part)))
     if report.verdict.tied:
         flags.append(Flag("warning", f"tie: {len(report.verdict.tied)} promoted config(s) within the winner's "
                                      "interval; the ranking between them is noise"))

@@ -11,9 +11,9 @@ ungraphed twin's, and none fits where the twin ran out); two graph settings comp
 
 from __future__ import annotations
 
-from autotune.core.knobs import KNOBS, Config
+from autotune.core.knobs import FREEZE_KNOBS_BY_PART, KNOBS, Config
 
-FREEZE_KNOBS = ("freeze_vision_model", "freeze_vision_projection")
+FREEZE_KNOBS = tuple(FREEZE_KNOBS_BY_PART.values())
 MEMORY_KNOBS = frozenset({
     "micro_batch_size", "recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules",
     *FREEZE_KNOBS,

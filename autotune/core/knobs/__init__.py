@@ -150,6 +150,13 @@ def expert_tensor_parallel(config: Config) -> int:
     return config.tensor_model_parallel_size if etp is None else etp
 
 
+FREEZE_KNOBS_BY_PART: dict[str, str] = {
+    name.removeprefix("freeze_"): name for name, knob in KNOBS.items() if knob.megatron_target == "llava_freeze"
+}
+"""Each model part a training may freeze (``vision_model``, ``vision_projection``) and the knob that
+freezes it: the knobs ``LLaVAModel.freeze`` takes."""
+
+
 def data_parallel(config: Config, world_size: int) -> int:
     """Data-parallel replicas of a trial: its ranks over TP·PP·CP (floored; the rules reject the rest)."""
     return world_size // (
