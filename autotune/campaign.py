@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from autotune._paths import BUILTIN_CAMPAIGNS_DIR
 from autotune.core.contract import Accelerator, BurstRequest, DataRealism, DataSpec, StackCapabilities, TrainableSupport
 from autotune.core.errors import InputFileError
-from autotune.core.knobs import FREEZE_KNOBS_BY_PART, Config
+from autotune.core.knobs import FREEZE_KNOBS_BY_PART, KNOBS, Config
 from autotune.core.model import ModelSpec
 from autotune.core.steady import MIN_WINDOW
 from autotune.resolve import resolve_model, resolve_trainable
@@ -238,6 +238,11 @@ class Campaign:
     @property
     def spaces(self) -> tuple[SearchSpace, ...]:
         return (self.space,) if self.next_space is None else (self.space, self.next_space)
+
+    @property
+    def tuned_knobs(self) -> list[str]:
+        """The knobs any of its spaces tunes, in registry order: what its exports write by default."""
+        return [name for name in KNOBS if any(name in space.tuned for space in self.spaces)]
 
     @property
     def rule_context(self) -> RuleContext:

@@ -6,13 +6,24 @@ The analytic part counts, per device, the bytes each config changes:
   weights over TP x PP, experts over EP x ETP x PP, the vision stack over TP; a frozen part keeps
   only its bf16 weights; megatron's bf16 training keeps 18 bytes per trainable parameter (bf16
   weight, fp32 gradient, fp32 main weight, two fp32 Adam moments), all 18 sharded over data
-  parallel under FSDP (Megatron-FSDP or FSDP2), none under DDP;
-- *decoder activations* kept for backward, per micro-batch in flight (PP of them on the first
-  stage): per layer, the attention block (with the unfused softmax's two [heads, s, s] tensors
-  unless ``core_attn`` is recomputed), the MoE block (top-k copies of each token through the
-  experts unless ``moe`` is recomputed), the residuals; full recompute keeps each layer's input
-  plus one layer's activations; graphed layers keep static input/output buffers;
-- *vision activations*: the ViT over the images' patches, none when the vision stack is frozen.
+  parallel under FSDP (Megatron-FSDP or FSDP2), none under DDP; FP8 adds one byte per parameter of
+  the decoder's linear layers (Transformer Engine's FP8 weight copies: +0.89 GiB measured at
+  hidden 1,024 on the H200 where this count gives 0.79, ``bench/results/te_paths_gpu.json``);
+- *decoder activations* kept for backward, per micro-batch in flight on the first pipeline
+  stage (:func:`micro_batches_in_flight`: one without a pipeline, however many micro-batches a
+  step accumulates, since each one's backward frees its activations before the next forward):
+  per layer, the attention block (with the unfused softmax's two [heads, s, s] tensors unless
+  ``core_attn`` is recomputed), the MoE block (top-k copies of each token through the experts
+  unless ``moe`` is recomputed; ``moe_act`` drops the activation's output, one of its three
+  expert-width tensors), the residuals; full recompute keeps each layer's input plus one layer's
+  activations; graphed layers keep static input/output buffers;
+- *vision activations*: the ViT over the images' patches of each micro-batch in flight, none when
+  the vision stack is frozen.
+
+Accumulating micro-batches adds no static bytes on megatron-core: gradients accumulate in the
+buffers counted above (its FSDP reduce-scatters every micro-batch). The native trainable's FSDP2
+keeps unsharded gradients until a step's last micro-batch; that is not counted, and the CPU it
+runs on has no memory limit to enforce.
 
 The static bytes are counted, not guessed; activations differ from their count by factors the
 count cannot know (the allocator, the framework's saved tensors, how many images a batch carries),
@@ -30,7 +41,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy.optimize import nnls
 
-from autotune.core.knobs import Config, expert_tensor_parallel
+from autotune.core.knobs import KNOBS, Config, data_parallel, expert_tensor_parallel, micro_batches_per_step
 from autotune.core.model import ModelSpec
 
 BF16 = 2
@@ -40,6 +51,9 @@ MIN_OBSERVATIONS = 5
 MIN_MARGIN = 0.10
 """The least error a rejection allows for: peaks from similar configs can fit each other exactly
 and still extrapolate badly to a larger micro-batch."""
+SCALED_MARGIN = 0.25
+"""The error a rejection allows for before calibration, when a prediction scales one peak (on the
+H200 table no config that fits was rejected at it; 0.10 rejected one)."""
 
 
 @dataclass(frozen=True)
@@ -70,7 +84,33 @@ def _parameters(model: ModelSpec) -> tuple[float, float, float, float]:
     return dense, experts, vision, projector
 
 
-def memory_terms(config: Config, model: ModelSpec, world_size: int) -> MemoryTerms:
+def _fp8_weight_parameters(model: ModelSpec) -> tuple[float, float]:
+    """Dense and expert parameters of the decoder's linear layers, the GEMMs FP8 runs (embeddings,
+    the output layer and the router stay in bf16)."""
+    dense, experts, _, _ = _parameters(model)
+    moe_layers = model.num_layers - model.first_k_dense_layers
+    return dense - 2 * model.vocab_size * model.hidden_size - moe_layers * model.hidden_size * model.num_moe_experts, \
+        experts
+
+
+def micro_batches_in_flight(config: Config, micro_batches: int) -> float:
+    """How many micro-batches' activations of its stage the first pipeline stage holds at its
+    peak, as megatron-core's schedules run them: one without a pipeline; 1F1B warms up with PP
+    forwards (fewer when the step has fewer micro-batches); the interleaved schedule with VPP
+    chunks runs 2·(PP−1) + (VPP−1)·PP warm-up chunks and one more before its first backward,
+    each chunk 1/VPP of the stage's layers."""
+    pp, vpp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size
+    if pp == 1:
+        return 1.0
+    if not vpp or vpp == 1:
+        return float(min(pp, max(1, micro_batches)))
+    chunks = min(max(1, micro_batches) * vpp, 2 * (pp - 1) + (vpp - 1) * pp + 1)
+    return chunks / vpp
+
+
+def memory_terms(config: Config, model: ModelSpec, world_size: int, global_batch_size: int | None = None) -> MemoryTerms:
+    """The counted bytes of ``config`` per device; ``global_batch_size`` sets how many micro-batches a
+    step accumulates (``None``: one per pipeline stage, as the trainables run without one)."""
     tp, pp, cp = config.tensor_model_parallel_size, config.pipeline_model_parallel_size, config.context_parallel_size
     ep = config.expert_model_parallel_size
     etp = expert_tensor_parallel(config)
@@ -89,6 +129,9 @@ def memory_terms(config: Config, model: ModelSpec, world_size: int) -> MemoryTer
     static = (trained(dense / (tp * pp), dp) + trained(experts / (ep * etp * pp), expert_dp)
               + held(vision / tp, bool(config.freeze_vision_model), dp)
               + held(projector / tp, bool(config.freeze_vision_projection), dp))
+    if config.fp8 != "none":
+        dense_linear, expert_linear = _fp8_weight_parameters(model)
+        static += dense_linear / (tp * pp) + expert_linear / (ep * etp * pp)  # one byte each
 
     s, b, h = model.seq_length / cp, config.micro_batch_size, model.hidden_size
     heads = model.num_attention_heads / tp
@@ -98,39 +141,48 @@ def memory_terms(config: Config, model: ModelSpec, world_size: int) -> MemoryTer
     selective = set(config.recompute_modules or ()) if config.recompute_granularity == "selective" else set()
     scores = 2 * heads * s * model.seq_length * b
     attention = s * b * (2 * h + (heads + 2 * groups) * head_dim) + (0 if "core_attn" in selective else scores)
-    moe = s * b * h + (0 if "moe" in selective else k * s * b * (h + 3 * f))
+    expert_width_tensors = 2 if "moe_act" in selective else 3
+    moe = s * b * h + (0 if "moe" in selective else k * s * b * (h + expert_width_tensors * f))
     layer = attention + moe + 2 * s * b * h
     layers = model.num_layers / pp
-    if config.recompute_granularity == "full":
-        kept = layers * s * b * h + layer
-    else:
-        kept = layers * layer
+    per_micro_batch = layers * (s * b * h if config.recompute_granularity == "full" else layer)
     if config.cuda_graph_impl != "none":
-        kept += layers * 2 * s * b * h
-    decoder = kept * BF16 * pp  # 1F1B: the first stage holds PP micro-batches
+        per_micro_batch += layers * 2 * s * b * h
+    micro_batches = micro_batches_per_step(config, world_size, global_batch_size) if data_parallel(config, world_size) \
+        else pp  # a layout larger than the trial: the rules reject it, the count need not
+    in_flight = micro_batches_in_flight(config, micro_batches)
+    recomputing = layer if config.recompute_granularity == "full" else 0.0  # one layer at a time
+    decoder = (per_micro_batch * in_flight + recomputing) * BF16
 
     v = model.vision
     patches = b * model.seq_length * v.spatial_merge_size**2  # at most every token an image token
     vision_kept = 0.0 if config.freeze_vision_model else \
-        patches * v.num_layers * (6 * v.hidden_size + 2 * v.ffn_hidden_size) * BF16 / tp
+        patches * v.num_layers * (6 * v.hidden_size + 2 * v.ffn_hidden_size) * BF16 / tp * in_flight
     return MemoryTerms(static=static, decoder_activations=decoder, vision_activations=vision_kept)
 
 
 @dataclass
 class MemoryModel:
-    """The analytic terms, calibrated online on reported peaks (see the module's docstring)."""
+    """The analytic terms, calibrated online on reported peaks (see the module's docstring), for
+    one campaign's trial size and global batch."""
 
     model: ModelSpec
     world_size: int
     limit_bytes: float | None
+    global_batch_size: int | None = None
     observations: list[tuple[MemoryTerms, float]] = field(default_factory=list)
+    peaks: list[tuple[Config, float]] = field(default_factory=list)
     _calibrated_on: int = field(default=-1, init=False, repr=False)
     _coefficients: np.ndarray = field(default=None, init=False, repr=False)
     _error: float = field(default=0.0, init=False, repr=False)
 
+    def terms(self, config: Config) -> MemoryTerms:
+        return memory_terms(config, self.model, self.world_size, self.global_batch_size)
+
     def observe(self, config: Config, peak_bytes: float) -> None:
         if peak_bytes > 0:
-            self.observations.append((memory_terms(config, self.model, self.world_size), float(peak_bytes)))
+            self.observations.append((self.terms(config), float(peak_bytes)))
+            self.peaks.append((config, float(peak_bytes)))
 
     @staticmethod
     def _fit(observations: list[tuple[MemoryTerms, float]]) -> np.ndarray:
@@ -165,18 +217,42 @@ class MemoryModel:
         if not self.calibrated:
             return None
         coefficients, _ = self._calibration()
-        return self._apply(memory_terms(config, self.model, self.world_size), coefficients)
+        return self._apply(self.terms(config), coefficients)
 
     def error(self) -> float | None:
         """The largest leave-one-out relative error of the calibrated model."""
         return self._calibration()[1] if self.calibrated else None
 
-    def rejection(self, config: Config) -> str | None:
-        """Why ``config`` surely exceeds the limit, or ``None``."""
-        if self.limit_bytes is None or not self.calibrated:
+    def scaled(self, config: Config) -> float | None:
+        """Peak bytes per device before calibration, from a peak of the same config at another
+        micro-batch size: the counted static bytes plus what that peak held beyond its own, scaled by
+        the ratio of the activation counts. The framework's base is scaled with the activations, so
+        a larger micro-batch is overstated (by up to 71 % on the H200 table, understated by at most
+        19 %); ``None`` without such a peak: a count alone is too far from a peak to reject on."""
+        terms = self.terms(config)
+
+        def activations(counted: MemoryTerms) -> float:
+            return max(counted.decoder_activations + counted.vision_activations, 1.0)
+
+        twins = [(self.terms(seen), peak) for seen, peak in self.peaks
+                 if all(seen[name] == config[name] for name in KNOBS if name != "micro_batch_size")]
+        if not twins:
             return None
-        predicted, error = self.predict(config), max(self.error(), MIN_MARGIN)
-        if predicted * (1 - error) <= self.limit_bytes:
+        reference, peak = min(twins, key=lambda twin: abs(np.log(activations(twin[0]) / activations(terms))))
+        return terms.static + max(0.0, peak - reference.static) * activations(terms) / activations(reference)
+
+    def rejection(self, config: Config) -> str | None:
+        """Why ``config`` surely exceeds the limit, or ``None``: from the calibrated model beyond its
+        error, or before it from :meth:`scaled` beyond ``SCALED_MARGIN``."""
+        if self.limit_bytes is None:
+            return None
+        if self.calibrated:
+            predicted, error = self.predict(config), max(self.error(), MIN_MARGIN)
+            source = f"from {len(self.observations)} peaks"
+        else:
+            predicted, error = self.scaled(config), SCALED_MARGIN
+            source = "scaled from the same config's peak at another micro-batch size"
+        if predicted is None or predicted * (1 - error) <= self.limit_bytes:
             return None
         return (f"the memory model predicts {predicted / 2**30:.1f} GiB per device (±{100 * error:.0f} %, "
-                f"from {len(self.observations)} peaks), over the {self.limit_bytes / 2**30:.1f} GiB limit")
+                f"{source}), over the {self.limit_bytes / 2**30:.1f} GiB limit")

@@ -19,6 +19,7 @@ from pathlib import Path
 from autotune.campaign import load_campaign
 from autotune.core.tables import load_table
 from autotune.memory_model import MemoryModel
+from autotune.search_benchmark import recorded_workload
 
 
 def main() -> None:
@@ -33,9 +34,10 @@ def main() -> None:
     device_memory = (first.contract.get("stack") or {}).get("device_memory_bytes")
     cap = first.contract.get("memory_cap_fraction")
     limit = cap * device_memory if cap and device_memory else None
+    global_batch = recorded_workload(table).global_batch_size  # the rows' micro-batches per step
     errors, rejected_oom, rejected_fit, ooms = [], 0, 0, 0
     for seed in range(args.seeds):
-        model = MemoryModel(campaign.model, campaign.spec.hardware.gpus_per_trial, limit)
+        model = MemoryModel(campaign.model, campaign.spec.hardware.gpus_per_trial, limit, global_batch)
         rows = list(table.rows.items())
         random.Random(seed).shuffle(rows)
         for config, row in rows:

@@ -38,7 +38,8 @@ def run_seed(seed: int) -> dict:
     proposer = Proposer(
         campaign.space, campaign.rule_context, folder / "study.journal", "alone",
         sampler=spec.search.sampler, seed=seed, startup_trials=spec.search.startup_trials,
-        memory=MemoryModel(campaign.model, spec.hardware.gpus_per_trial, None) if spec.search.memory_model else None,
+        memory=MemoryModel(campaign.model, spec.hardware.gpus_per_trial, None, spec.workload.global_batch_size)
+        if spec.search.memory_model else None,
         memory_frontier=spec.search.memory_frontier,
     )
     proposer.enqueue_warm_starts()

@@ -16,14 +16,17 @@ from pathlib import Path
 import pytest
 
 from autotune.core.contract import Evidence
-from autotune.core.knobs import KNOBS, complete_config, parse_bridge_overrides, parse_megatron_lm_args
+from autotune.core.knobs import KNOBS, complete_config
 from autotune.core.steady import SteadyEstimate
 from autotune.engine.promotion import decide, gain_at_equal_fidelity, projected_headroom, promotion_candidates
 from autotune.engine.records import TrialEntry
 from autotune.engine.rundir import RunDir
-from autotune.export import FORMATS, load_document, render
+from autotune.export import (
+    BRIDGE_COMPANION_KEYS, FORMATS, load_document, read_bridge_overrides, read_megatron_lm_args, render,
+)
 from conftest import (
-    OOM_CAP_GIB, OOM_SPACE, REPLAY_SPACE, TEST_MODEL, autotune, campaign_file, entries, only_run_dir,
+    NEXT_SPACE, OOM_CAP_GIB, OOM_SPACE, REPLAY_SPACE, SPACE, TEST_MODEL, autotune, campaign_file, entries,
+    only_run_dir,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -90,6 +93,38 @@ def test_a_clearly_worse_config_is_pruned_with_its_partial_estimate(small_table,
     assert [s.record.step for s in steps] == list(range(slow.steps))  # every step it ran, recorded
 
 
+def test_a_trial_the_budget_stops_is_recorded_with_its_steps_and_device_seconds(small_table, ray_local,
+                                                                                 tmp_path) -> None:
+    """Tune ends a running trial without telling the searcher when the budget stops the stage (seen
+    on the H200: a screen stopped at step 4 was in steps.jsonl, not in trials.jsonl nor the spend)."""
+    from dataclasses import replace
+    from io import StringIO
+
+    from rich.console import Console
+
+    from autotune.campaign import load_campaign
+    from autotune.engine.driver import run_campaign
+    from autotune.engine.live import LiveView
+    from autotune.engine.rundir import create_run_dir
+
+    space = REPLAY_SPACE | {"warm_start": [{"name": "first", "config": {"micro_batch_size": 4}}]}
+    (tmp_path / "budget").mkdir()
+    campaign = load_campaign(campaign_file(tmp_path / "budget", max_trials=3, space=space))
+    budget = campaign.spec.budget.model_copy(update={"gpu_hours": 0.01})  # 36 device-s: the first burst's start-up
+    campaign = replace(campaign, spec=campaign.spec.model_copy(update={"budget": budget}), replay_table=small_table)
+    run_dir = create_run_dir(campaign)
+    with LiveView(Console(file=StringIO()), campaign.space, campaign.spec.objective) as view:
+        run_campaign(campaign, run_dir, view)
+    screens = [e for e in run_dir.trials.read() if e.stage == "screen" and e.launched]
+    assert len(screens) == 1
+    stopped = screens[0]
+    assert (stopped.outcome, stopped.cause) == ("pruned", "budget") and 0 < stopped.steps < 16
+    steps = [s for s in run_dir.steps.read() if s.trial_id == stopped.trial_id]
+    assert len(steps) == stopped.steps and stopped.device_seconds >= 0.01 * 3600
+    spend = json.loads((run_dir.path / "spend.json").read_text())
+    assert spend["by_stage"]["screen"] == pytest.approx(stopped.device_seconds)
+
+
 def test_promotion_runs_fifty_steps_and_the_verdict_reads_the_intervals(campaign_run) -> None:
     run_dir, _ = campaign_run
     promoted = [e for e in entries(run_dir) if e.stage == "promote" and e.space == "engine_test"]
@@ -115,11 +150,14 @@ def test_winner_exports_round_trip_through_the_registry(campaign_run) -> None:
     for fmt in FORMATS:
         printed = autotune("export", str(run_dir), "--format", fmt, env=os.environ | {"RAY_ADDRESS": ""}, timeout=120)
         assert printed.returncode == 0, printed.stderr
-        assert printed.stdout.strip() == render(config, fmt, version, rest).strip()
+        body = "\n".join(line for line in printed.stdout.splitlines() if not line.startswith("# "))
+        assert body.strip() == render(config, fmt, version, rest).strip()
+    assert set(rest["tuned"]) == set(SPACE["tune"]) | set(NEXT_SPACE["tune"])
     overrides = shlex.split(render(config, "bridge", version))
-    assert parse_bridge_overrides(overrides) == config
-    assert {o.split("=")[0] for o in overrides} <= {KNOBS[name].bridge_key_for(version) for name in KNOBS}
-    assert parse_megatron_lm_args(shlex.split(render(config, "megatron-lm", version))) == config
+    assert read_bridge_overrides(overrides) == config
+    assert {o.split("=")[0] for o in overrides} <= \
+        {KNOBS[name].bridge_key_for(version) for name in KNOBS} | BRIDGE_COMPANION_KEYS | {"model.cuda_graph_scope"}
+    assert read_megatron_lm_args(shlex.split(render(config, "megatron-lm", version))) == config
 
 
 def test_workflow_tunes_the_next_space_when_its_projected_headroom_is_large(campaign_run) -> None:

@@ -21,8 +21,9 @@ H200 = load_space(Path("search_spaces/h200_single.yaml"))
 GIB = 2**30
 
 
-def terms(world_size: int = 8, **values):
-    return memory_terms(complete_config({"moe_token_dispatcher_type": "alltoall", **values}), MODEL, world_size)
+def terms(world_size: int = 8, global_batch_size: int | None = None, **values):
+    return memory_terms(complete_config({"moe_token_dispatcher_type": "alltoall", **values}), MODEL, world_size,
+                        global_batch_size)
 
 
 def test_terms_follow_the_knobs() -> None:
@@ -37,6 +38,42 @@ def test_terms_follow_the_knobs() -> None:
     assert terms(use_megatron_fsdp=True).static == pytest.approx(base.static / 8)
     assert terms(cuda_graph_impl="local", cuda_graph_scope=["moe_router", "moe_preprocess"]).decoder_activations \
         > base.decoder_activations
+
+
+def test_moe_act_recompute_saves_between_none_and_moe() -> None:
+    attention_only = terms(recompute_granularity="selective", recompute_modules=["core_attn"])
+    with_act = terms(recompute_granularity="selective", recompute_modules=["core_attn", "moe_act"])
+    with_moe = terms(recompute_granularity="selective", recompute_modules=["core_attn", "moe"])
+    assert with_moe.decoder_activations < with_act.decoder_activations < attention_only.decoder_activations
+    assert with_act.static == attention_only.static
+
+
+def test_fp8_adds_a_byte_per_decoder_linear_parameter() -> None:
+    bf16, fp8 = terms(), terms(fp8="hybrid", fp8_recipe="tensorwise")
+    h, layers, experts = MODEL.hidden_size, MODEL.num_layers, MODEL.num_moe_experts
+    assert MODEL.first_k_dense_layers == 0 and MODEL.moe_shared_expert_intermediate_size in (None, 0)
+    head_dim = MODEL.kv_channels or h // MODEL.num_attention_heads
+    groups = MODEL.num_query_groups or MODEL.num_attention_heads
+    attention = h * head_dim * (2 * MODEL.num_attention_heads + 2 * groups)
+    expert_weights = experts * 3 * h * MODEL.moe_ffn_hidden_size
+    assert fp8.static - bf16.static == pytest.approx(layers * (attention + expert_weights))
+    assert fp8.decoder_activations == bf16.decoder_activations
+
+
+def test_accumulation_keeps_one_micro_batch_without_a_pipeline_and_fills_it_with_one() -> None:
+    """Without PP each micro-batch's backward frees its activations: the global batch changes
+    nothing. With PP 4 the first stage holds min(4, micro-batches) of them; with VPP 2 the
+    interleaved schedule's 11 warm-up-and-first chunks, half a stage's layers each."""
+    assert terms(global_batch_size=64) == terms(global_batch_size=8) == terms()
+    pipeline = {"pipeline_model_parallel_size": 4}
+    two, four, eight = (terms(global_batch_size=gbs, **pipeline).decoder_activations for gbs in (4, 8, 16))
+    assert two == pytest.approx(four / 2) and eight == pytest.approx(four)
+    assert terms(**pipeline).decoder_activations == pytest.approx(four)  # no global batch: PP micro-batches
+    vision = terms(global_batch_size=4, **pipeline).vision_activations
+    assert vision == pytest.approx(terms(global_batch_size=8, **pipeline).vision_activations / 2)
+    interleaved = {"pipeline_model_parallel_size": 4, "virtual_pipeline_model_parallel_size": 2}
+    assert terms(global_batch_size=8, **interleaved).decoder_activations == pytest.approx(four)
+    assert terms(global_batch_size=32, **interleaved).decoder_activations == pytest.approx(four * 5.5 / 4)
 
 
 def peak(config, coefficients=(1.3, 0.4, 2 * GIB)) -> float:
@@ -82,3 +119,24 @@ def test_the_search_rejects_configs_predicted_over_the_limit() -> None:
         predicted += [r for r in proposer.take_rejections() if "memory model" in r.reason]
     assert memory.calibrated and predicted
     assert all(peak(r.config) > 35 * GIB for r in predicted)
+
+
+def test_before_calibration_only_a_twin_at_another_micro_batch_size_rejects() -> None:
+    """One peak cannot calibrate the fit, but the same config at another micro-batch size scales it:
+    the memory-frontier walk's MBS 8 after bring-up's MBS 1 (seen on the H200 with the ViT trained:
+    MBS 8, 4 and 2 with full recompute all ran out of a 35 GiB cap after MBS 1 peaked at 25.4 GiB)."""
+    memory = MemoryModel(MODEL, 1, limit_bytes=35 * GIB, global_batch_size=8)
+    full = {"moe_token_dispatcher_type": "alltoall", "recompute_granularity": "full", "recompute_method": "uniform",
+            "recompute_num_layers": 1}
+    bring_up = complete_config({**full, "micro_batch_size": 1})
+    assert memory.rejection(bring_up) is None  # nothing seen yet
+    memory.observe(bring_up, 25.4 * GIB)
+    assert not memory.calibrated and memory.predict(bring_up) is None
+    eight = complete_config({**full, "micro_batch_size": 8})
+    assert "scaled from the same config's peak at another micro-batch size" in memory.rejection(eight)
+    assert memory.scaled(bring_up) == pytest.approx(25.4 * GIB)
+    two = complete_config({**full, "micro_batch_size": 2})
+    assert memory.rejection(two) is None and 30 * GIB < memory.scaled(two) < 40 * GIB
+    selective = complete_config({"moe_token_dispatcher_type": "alltoall", "micro_batch_size": 8,
+                                 "recompute_granularity": "selective", "recompute_modules": ["core_attn"]})
+    assert memory.scaled(selective) is None and memory.rejection(selective) is None  # no twin: no guess

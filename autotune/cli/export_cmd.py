@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 
 from autotune.engine.rundir import WINNER_FILE
-from autotune.export import FORMATS, load_document, render
+from autotune.export import FORMATS, header, load_document, render
 
 
 def export(
@@ -17,10 +17,18 @@ def export(
     megatron_core: str | None = typer.Option(
         None, help="megatron-core version whose names to use (default: the document's)."
     ),
+    every_knob: bool = typer.Option(
+        False, "--all", help="Write every knob, not only those the campaign tuned (bridge, megatron-lm)."
+    ),
 ) -> None:
-    """Print the config for Megatron-Bridge, Megatron-LM, or as a file."""
+    """Print the config for Megatron-Bridge, Megatron-LM, or as a file. The flag formats start with
+    comment lines: the measurement, the target version, and what the gain depends on."""
     if fmt not in FORMATS:
         raise typer.BadParameter(f"expected one of {', '.join(FORMATS)}, got {fmt!r}", param_hint="--format")
     path = source / WINNER_FILE if source.is_dir() else source
     config, version, rest = load_document(path)
-    typer.echo(render(config, fmt, megatron_core or version, rest))
+    version = megatron_core or version
+    text = render(config, fmt, version, rest, every_knob)
+    if fmt in ("bridge", "megatron-lm"):
+        text = "\n".join([*header(config, fmt, version, rest, every_knob), text])
+    typer.echo(text)

@@ -16,7 +16,7 @@ from autotune.campaign import Campaign, builtin_campaign_path, freezing_warning,
 from autotune.cli import console
 from autotune.core.errors import InputFileError
 from autotune.engine.rundir import REPORT_FILE, WINNER_FILE, create_run_dir, open_run_dir
-from autotune.export import render
+from autotune.export import ExportRefused, render
 from autotune.report.analysis import load_report
 from autotune.survey import survey_space
 
@@ -103,10 +103,13 @@ def _report(campaign: Campaign, outcome: CampaignOutcome) -> None:
     else:
         winner = outcome.verdict.winner
         console.print(f"[bold green]winner[/] ({escape(outcome.verdict.summary)}): {knobs(winner)}")
-        console.print("Megatron-Bridge overrides:", highlight=False)
-        console.print(escape(render(winner.config, "bridge", campaign.stack.megatron_core,
-                                    {"workload": campaign.spec.workload.model_dump()})), highlight=False,
-                      soft_wrap=True)
+        try:
+            overrides = render(winner.config, "bridge", campaign.stack.megatron_core,
+                               {"workload": campaign.spec.workload.model_dump(), "tuned": campaign.tuned_knobs})
+            console.print("Megatron-Bridge overrides:", highlight=False)
+            console.print(escape(overrides), highlight=False, soft_wrap=True)
+        except ExportRefused as refused:
+            console.print(f"[bold yellow]no Megatron-Bridge overrides:[/] {escape(str(refused))}", highlight=False)
         for part in campaign.frozen_beyond_workload(winner.config):
             console.print(f"[bold yellow]warning:[/] {escape(freezing_warning(part))}", highlight=False)
         console.print(

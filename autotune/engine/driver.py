@@ -144,8 +144,8 @@ def _tune_space(campaign: Campaign, space: SearchSpace, study_name: str, run_dir
     proposer = Proposer(
         space, campaign.rule_context, run_dir.study_path, study_name,
         sampler=spec.search.sampler, seed=spec.search.seed, startup_trials=spec.search.startup_trials,
-        memory=MemoryModel(campaign.model, spec.hardware.gpus_per_trial, memory_limit) if spec.search.memory_model
-        else None,
+        memory=MemoryModel(campaign.model, spec.hardware.gpus_per_trial, memory_limit,
+                           spec.workload.global_batch_size) if spec.search.memory_model else None,
         memory_frontier=spec.search.memory_frontier,
     )
     proposer.enqueue_warm_starts()
@@ -261,6 +261,11 @@ def _run_stage(stage: Stage, job: TrialJob, run_dir: RunDir, view: LiveView, *,
     try:
         with _without_tune_loggers():
             tuner.fit()
+        # Tune ends the trials still running when a stopper stops the whole run (the budget's
+        # stop_all) without telling the searcher: end them here, so each is on record with the
+        # steps it ran and the device-seconds it spent.
+        for trial_id in list(searcher.ledger.live):
+            searcher.on_trial_complete(trial_id)
     except Exception as exc:
         failure = _output_failure(exc)
         if failure is None:
@@ -311,6 +316,7 @@ def _write_winner(run_dir: RunDir, campaign: Campaign, verdict: Verdict) -> None
         "run_dir": str(run_dir.path.resolve()),
         "workload": campaign.spec.workload.model_dump(mode="json"),
         "frozen_beyond_workload": campaign.frozen_beyond_workload(winner.config),
+        "tuned": campaign.tuned_knobs,
     }
     document_text = yaml.safe_dump(document(winner.config, campaign.stack.megatron_core, extra), sort_keys=False)
     run_dir.write_text(WINNER_FILE, document_text)

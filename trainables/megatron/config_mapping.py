@@ -1,9 +1,8 @@
 """Config + model preset → megatron-core configs. The one place knobs become Megatron fields.
 
 Field names per megatron-core version come from the knob registry (``cuda_graph_scope`` became
-``cuda_graph_modules`` in 0.19); the one value encoding that changed is handled here: before
-0.19 a full-iteration graph is ``cuda_graph_impl="local"`` with scope ``["full_iteration"]``,
-from 0.19 it is ``cuda_graph_impl="full_iteration"`` with no modules.
+``cuda_graph_modules`` in 0.18); the one value encoding that changed, a full-iteration graph, is
+spelled as that version wants by ``megatron_graph_settings`` (the export spells it the same way).
 """
 
 from __future__ import annotations
@@ -12,13 +11,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from packaging.version import Version
 
 from autotune.core.contract import BurstRequest
-from autotune.core.knobs import KNOBS, Config
+from autotune.core.knobs import KNOBS, Config, megatron_graph_settings
 from autotune.core.model import ModelSpec
-
-FULL_ITERATION_IMPL_VERSION = Version("0.19.0")
 
 
 def installed_megatron_core_version() -> str:
@@ -67,10 +63,11 @@ def knob_fields(config: Config, megatron_core_version: str, target: str) -> dict
         if knob.megatron_target != target or value is None:
             continue
         fields[knob.megatron_field_for(megatron_core_version)] = knob.to_megatron(value)
-    if target == "transformer" and config.cuda_graph_impl == "full_iteration":
-        if Version(megatron_core_version) < FULL_ITERATION_IMPL_VERSION:
-            fields["cuda_graph_impl"] = "local"
-            fields[KNOBS["cuda_graph_scope"].megatron_field_for(megatron_core_version)] = ["full_iteration"]
+    if target == "transformer":
+        impl, scope = megatron_graph_settings(config, megatron_core_version)
+        fields["cuda_graph_impl"] = impl
+        if scope is not None:
+            fields[KNOBS["cuda_graph_scope"].megatron_field_for(megatron_core_version)] = list(scope)
     if target == "transformer" and config.pipeline_model_parallel_size > 1:
         fields["pipeline_dtype"] = torch.bfloat16
     if target == "ddp" and config.use_megatron_fsdp:

@@ -10,6 +10,7 @@ import difflib
 from typing import Annotated, Any, Iterator, Mapping
 
 import yaml
+from packaging.version import Version
 from pydantic import PlainSerializer, PlainValidator, WithJsonSchema
 
 from autotune.core.errors import KnobError
@@ -31,6 +32,7 @@ __all__ = [
     "complete_config",
     "expert_tensor_parallel",
     "get_knob",
+    "megatron_graph_settings",
     "parse_bridge_overrides",
     "parse_megatron_lm_args",
 ]
@@ -171,6 +173,22 @@ def micro_batches_per_step(config: Config, world_size: int, global_batch_size: i
     if global_batch_size is None:
         return config.pipeline_model_parallel_size
     return global_batch_size // (config.micro_batch_size * data_parallel(config, world_size))
+
+
+FULL_ITERATION_IMPL_VERSION = Version("0.18.0")
+"""From megatron-core 0.18.0 a full-iteration graph is ``cuda_graph_impl="full_iteration"`` (the
+scope field renamed ``cuda_graph_modules`` at the same release, and must then be empty); before it,
+``cuda_graph_impl="local"`` with scope ``["full_iteration"]`` (0.16/0.17 accept no other spelling)."""
+
+
+def megatron_graph_settings(config: Config, megatron_core_version: str | None) -> tuple[str, tuple[str, ...] | None]:
+    """``config``'s CUDA graphs as that megatron-core version spells them: the implementation and
+    the scope (``None``: the scope field is not set, as for no graphs or a 0.18+ full iteration)."""
+    impl = config.cuda_graph_impl
+    if impl == "full_iteration" and megatron_core_version is not None \
+            and Version(megatron_core_version) < FULL_ITERATION_IMPL_VERSION:
+        return "local", ("full_iteration",)
+    return impl, config.cuda_graph_scope if KNOBS["cuda_graph_scope"].is_active(config) else None
 
 
 def global_batch_misfit(config: Config, world_size: int, global_batch_size: int | None) -> str | None:

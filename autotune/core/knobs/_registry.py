@@ -105,7 +105,7 @@ _KNOBS: tuple[Knob, ...] = (
         doc="Modules captured by per-layer graphs; empty captures the whole layer.",
         megatron_target="transformer",
         megatron_field="cuda_graph_scope",
-        renamed=(("0.19.0", "cuda_graph_modules"),),
+        renamed=(("0.18.0", "cuda_graph_modules"),),
         bridge_key="model.cuda_graph_scope",
         megatron_lm_flag="--cuda-graph-scope",
         active_when=Condition(
@@ -222,7 +222,9 @@ _KNOBS: tuple[Knob, ...] = (
         doc="FP8 GEMMs in Transformer Engine's layers: e4m3 throughout, or hybrid (e5m2 gradients); none keeps bf16.",
         megatron_target="transformer",
         megatron_field="fp8",
-        bridge_key="model.fp8",
+        # Bridge copies its mixed_precision settings onto the model before validating: a model.fp8
+        # override would be reset by the recipe's bf16 precision config.
+        bridge_key="mixed_precision.fp8",
         megatron_lm_flag="--fp8-format",
     ),
     Knob(
@@ -233,7 +235,7 @@ _KNOBS: tuple[Knob, ...] = (
         "(128-wide blocks), mxfp8 (32-element blocks, Blackwell only).",
         megatron_target="transformer",
         megatron_field="fp8_recipe",
-        bridge_key="model.fp8_recipe",
+        bridge_key="mixed_precision.fp8_recipe",
         megatron_lm_flag="--fp8-recipe",
         active_when=Condition("fp8", lambda v: v != "none", "fp8 in e4m3, hybrid"),
     ),
@@ -286,7 +288,7 @@ _KNOBS: tuple[Knob, ...] = (
         megatron_target="llava_freeze",
         megatron_field="freeze_vision_projection",
         bridge_key="model.freeze_vision_projection",
-        megatron_lm_flag="--freeze-vision-projection",
+        megatron_lm_flag=None,  # pretrain_vlm.py freezes only the LM and the ViT (--freeze-LM, --freeze-ViT)
     ),
 )
 
