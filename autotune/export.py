@@ -33,7 +33,8 @@ from packaging.version import Version
 
 from autotune.core.errors import AutotuneError, InputFileError, KnobError
 from autotune.core.knobs import (
-    KNOBS, Config, complete_config, megatron_graph_settings, parse_bridge_overrides, parse_megatron_lm_args,
+    FREEZE_KNOBS_BY_PART, KNOBS, Config, complete_config, megatron_graph_settings, parse_bridge_overrides,
+    parse_megatron_lm_args,
 )
 from autotune.yaml_io import load_yaml_mapping
 
@@ -209,8 +210,8 @@ def header(config: Config, fmt: Format, megatron_core_version: str | None, extra
                      f"({100 * objective.get('confidence', 0.95):.0f} % "
                      f"{objective['ci_low']:,.0f}–{objective['ci_high']:,.0f}, "
                      f"{objective.get('steady_steps')} steady steps)")
-    frozen = [knob for knob in ("freeze_vision_model", "freeze_vision_projection") if config[knob]]
-    lines.append(f"# depends on: global batch {workload.get('global_batch_size', 'not fixed')}; precision {precision}; "
+    frozen = [knob for knob in FREEZE_KNOBS_BY_PART.values() if config[knob]]
+    lines.append(f"# depends on: global batch {workload.get('global_batch_size') or 'not fixed'}; precision {precision}; "
                  f"frozen: {', '.join(frozen) or 'nothing'}"
                  + ("; freezing the workload does not declare: " + ", ".join(extra["frozen_beyond_workload"])
                     if extra.get("frozen_beyond_workload") else ""))

@@ -171,7 +171,8 @@ class MemoryModel:
     limit_bytes: float | None
     global_batch_size: int | None = None
     observations: list[tuple[MemoryTerms, float]] = field(default_factory=list)
-    peaks: list[tuple[Config, float]] = field(default_factory=list)
+    observed_configs: list[Config] = field(default_factory=list)
+    """The config of each observation, in the same order (what :meth:`scaled` matches on)."""
     _calibrated_on: int = field(default=-1, init=False, repr=False)
     _coefficients: np.ndarray = field(default=None, init=False, repr=False)
     _error: float = field(default=0.0, init=False, repr=False)
@@ -182,7 +183,7 @@ class MemoryModel:
     def observe(self, config: Config, peak_bytes: float) -> None:
         if peak_bytes > 0:
             self.observations.append((self.terms(config), float(peak_bytes)))
-            self.peaks.append((config, float(peak_bytes)))
+            self.observed_configs.append(config)
 
     @staticmethod
     def _fit(observations: list[tuple[MemoryTerms, float]]) -> np.ndarray:
@@ -234,7 +235,7 @@ class MemoryModel:
         def activations(counted: MemoryTerms) -> float:
             return max(counted.decoder_activations + counted.vision_activations, 1.0)
 
-        twins = [(self.terms(seen), peak) for seen, peak in self.peaks
+        twins = [observation for seen, observation in zip(self.observed_configs, self.observations)
                  if all(seen[name] == config[name] for name in KNOBS if name != "micro_batch_size")]
         if not twins:
             return None
