@@ -9,14 +9,17 @@ The flag formats say what the target tools need, as their own sources state it (
   with scope ``[full_iteration]`` before 0.18 (``megatron_graph_settings``);
 - companion settings the tools demand of a knob value: the NaN check off for full-iteration graphs;
   for Megatron-LM's torch FSDP2 no gradient-accumulation fusion and untied embeddings; for
-  Megatron-FSDP the distributed optimizer and ``fsdp_dtensor`` checkpoints (and Bridge's
-  ``dist.use_megatron_fsdp``, which it ORs with ``ddp.use_megatron_fsdp``); local graphs with
+  Megatron-FSDP the distributed optimizer and ``fsdp_dtensor`` checkpoints (in Bridge too, whose
+  ``validate()`` asserts the format, and Bridge's ``dist.use_megatron_fsdp``, which it ORs with
+  ``ddp.use_megatron_fsdp``); local graphs with
   expert parallelism on Megatron-LM before 0.18 need padded experts;
 - Bridge's Qwen3-VL MoE provider freezes the language model by default: our bursts train it, so the
-  override says ``model.freeze_language_model=false``; FP8 goes through ``mixed_precision``;
+  override says ``model.freeze_language_model=false``; FP8 goes through ``mixed_precision``: its
+  fields for Bridge 0.3, a preset name for Bridge 0.6, whose recipes hold the precision as one;
 - what a tool cannot express is refused with its reason (:class:`ExportRefused`): Megatron-LM has no
-  flag that freezes the vision projection, and Megatron-Bridge 0.6 (which pins megatron-core 0.19)
-  runs ``cuda_graph_impl=local`` only as full-iteration graphs.
+  flag that freezes the vision projection; Megatron-Bridge 0.6 (which pins megatron-core 0.19)
+  runs ``cuda_graph_impl=local`` only as full-iteration graphs and has no preset for some FP8
+  format/scaling pairs.
 
 Every format reads back to the same :class:`~autotune.core.knobs.Config` (the tests hold it so).
 """
@@ -41,17 +44,41 @@ from autotune.yaml_io import load_yaml_mapping
 Format = Literal["bridge", "megatron-lm", "yaml", "json"]
 FORMATS: tuple[Format, ...] = ("bridge", "megatron-lm", "yaml", "json")
 
+TARGETS: dict[str, tuple[Format, str]] = {
+    "bridge-0.3": ("bridge", "0.16.1"),
+    "bridge-0.6": ("bridge", "0.19.2"),
+    "megatron-lm-0.16": ("megatron-lm", "0.16.1"),
+    "megatron-lm-0.17": ("megatron-lm", "0.17.1"),
+    "megatron-lm-0.18": ("megatron-lm", "0.18.0"),
+    "megatron-lm-0.19": ("megatron-lm", "0.19.2"),
+}
+"""``autotune export --target``: a release users run, as the flag format and megatron-core version
+whose spelling it takes (Megatron-Bridge 0.3 runs on megatron-core 0.16, 0.6 on 0.19; Megatron-LM
+releases with megatron-core). Each is checked by that release's own parser (tests/test_export_tools.py)."""
+
 GRAPH_KNOBS = ("cuda_graph_impl", "cuda_graph_scope")
 BRIDGE_LOCAL_ONLY_FULL_ITERATION = Version("0.19.0")
 """Megatron-Bridge 0.6, the release on megatron-core 0.19, accepts ``cuda_graph_impl="local"`` only
 for full-iteration graphs (``utils/cuda_graph.py``); 0.3 (megatron-core 0.16) accepts per-layer ones."""
+BRIDGE_PRECISION_PRESETS = Version("0.19.0")
+"""Megatron-Bridge 0.6's recipes name their precision by preset (``cfg.mixed_precision = "bf16_mixed"``),
+so ``mixed_precision.fp8=…`` cannot be overridden there (Hydra: "Could not override"); 0.3's
+recipes hold a ``MixedPrecisionConfig`` whose fields can."""
+BRIDGE_PRECISION_PRESET = {  # (fp8, fp8_recipe) → Bridge 0.6's registered bf16 preset
+    ("none", None): "bf16_mixed",
+    ("hybrid", "delayed"): "bf16_with_fp8_delayed_scaling_mixed",
+    ("hybrid", "tensorwise"): "bf16_with_fp8_current_scaling_mixed",
+    ("hybrid", "blockwise"): "bf16_with_fp8_subchannel_scaling_mixed",
+    ("e4m3", "mxfp8"): "bf16_with_mxfp8_mixed",
+}
+PRECISION_KNOBS = ("fp8", "fp8_recipe")
 PADDED_EXPERTS_NOT_NEEDED = Version("0.18.0")
 """Megatron-LM before 0.18 asserts ``--moe-pad-experts-for-cuda-graph-inference`` for local graphs
 with expert parallelism."""
 
 BRIDGE_COMPANION_KEYS = frozenset({
     "rerun_state_machine.check_for_nan_in_loss", "model.freeze_language_model", "dist.use_megatron_fsdp",
-    "train.global_batch_size",
+    "train.global_batch_size", "checkpoint.ckpt_format",
 })
 MEGATRON_LM_COMPANION_FLAGS = {  # flag → how many operands it takes
     "--no-check-for-nan-in-loss-and-grad": 0, "--moe-pad-experts-for-cuda-graph-inference": 0,
@@ -70,6 +97,20 @@ def _older(version: str | None, than: Version) -> bool:
 
 def _full_iteration(config: Config) -> bool:
     return config.cuda_graph_impl == "full_iteration"
+
+
+def _bridge_presets(version: str | None) -> bool:
+    return not _older(version, BRIDGE_PRECISION_PRESETS)
+
+
+def _precision_preset(config: Config) -> str:
+    recipe = None if config.fp8 == "none" else config.fp8_recipe
+    if (config.fp8, recipe) not in BRIDGE_PRECISION_PRESET:
+        raise ExportRefused(
+            f"Megatron-Bridge 0.6 recipes set precision by preset name and none is fp8 {config.fp8} with "
+            f"{recipe} scaling (its bf16 presets: {', '.join(BRIDGE_PRECISION_PRESET.values())}); "
+            "export for megatron-core 0.16 to target Bridge 0.3, whose recipes take the fields")
+    return BRIDGE_PRECISION_PRESET[(config.fp8, recipe)]
 
 
 def emitted_knobs(config: Config, tuned: Collection[str] | None) -> list[str]:
@@ -96,7 +137,10 @@ def bridge_overrides(config: Config, megatron_core_version: str | None,
             'Megatron Bridge 0.6 supports model.cuda_graph_impl="local" only for full-iteration CUDA graphs; '
             'use "transformer_engine" for scoped capture (export for megatron-core 0.16 to target Bridge 0.3)')
     overrides = [KNOBS[name].bridge_override(config[name], megatron_core_version)
-                 for name in names if name not in GRAPH_KNOBS]
+                 for name in names if name not in GRAPH_KNOBS
+                 and not (name in PRECISION_KNOBS and _bridge_presets(megatron_core_version))]
+    if _bridge_presets(megatron_core_version) and any(name in PRECISION_KNOBS for name in names):
+        overrides.append(f"mixed_precision={_precision_preset(config)}")
     scope_knob = KNOBS["cuda_graph_scope"]
     if "cuda_graph_impl" in names:
         overrides.append(f"{KNOBS['cuda_graph_impl'].bridge_key}={impl}")
@@ -108,6 +152,8 @@ def bridge_overrides(config: Config, megatron_core_version: str | None,
             overrides.append("rerun_state_machine.check_for_nan_in_loss=false")
     if "use_megatron_fsdp" in names:
         overrides.append(f"dist.use_megatron_fsdp={str(config.use_megatron_fsdp).lower()}")
+        if config.use_megatron_fsdp:
+            overrides.append("checkpoint.ckpt_format=fsdp_dtensor")
     overrides.append("model.freeze_language_model=false")
     return overrides
 
@@ -147,6 +193,12 @@ def read_bridge_overrides(overrides: list[str]) -> Config:
     if legacy <= set(knob_overrides):
         knob_overrides = [o for o in knob_overrides if o not in legacy]
         knob_overrides.append(f"{KNOBS['cuda_graph_impl'].bridge_key}=full_iteration")
+    presets = {f"mixed_precision={preset}": values for values, preset in BRIDGE_PRECISION_PRESET.items()}
+    for override in [o for o in knob_overrides if o in presets]:
+        knob_overrides.remove(override)
+        fp8, recipe = presets[override]
+        knob_overrides.append(f"{KNOBS['fp8'].bridge_key}={fp8}")
+        knob_overrides += [] if recipe is None else [f"{KNOBS['fp8_recipe'].bridge_key}={recipe}"]
     return parse_bridge_overrides(knob_overrides)
 
 

@@ -16,7 +16,7 @@ import yaml
 
 from autotune.core.knobs import KNOBS, complete_config
 from autotune.export import (
-    BRIDGE_COMPANION_KEYS, FORMATS, ExportRefused, bridge_overrides, load_document, megatron_lm_args,
+    BRIDGE_COMPANION_KEYS, BRIDGE_PRECISION_PRESET, FORMATS, ExportRefused, bridge_overrides, load_document, megatron_lm_args,
     read_bridge_overrides, read_megatron_lm_args, render,
 )
 from autotune.space import load_space
@@ -35,7 +35,8 @@ def refused(config, fmt: str, version: str) -> bool:
     """Whether the tool cannot take ``config`` (the reasons are tested below)."""
     if fmt == "megatron-lm":
         return bool(config.freeze_vision_projection)
-    return config.cuda_graph_impl == "local" and version >= "0.19"
+    no_preset = (config.fp8, None if config.fp8 == "none" else config.fp8_recipe) not in BRIDGE_PRECISION_PRESET
+    return version >= "0.19" and (config.cuda_graph_impl == "local" or no_preset)
 
 
 @pytest.mark.parametrize("version", ["0.16.1", "0.17.1", "0.18.0", "0.19.2"])
@@ -62,6 +63,12 @@ def test_what_a_tool_cannot_take_is_refused_with_its_reason() -> None:
     with pytest.raises(ExportRefused, match="no flag that freezes the vision projection"):
         render(projection, "megatron-lm", "0.19.2")
     assert "model.freeze_vision_projection=true" in bridge_overrides(projection, "0.19.2")
+    e4m3_delayed = complete_config({"fp8": "e4m3", "fp8_recipe": "delayed"})
+    with pytest.raises(ExportRefused, match="none is fp8 e4m3 with delayed scaling"):
+        bridge_overrides(e4m3_delayed, "0.19.2")
+    assert "mixed_precision.fp8=e4m3" in bridge_overrides(e4m3_delayed, "0.16.1")  # Bridge 0.3: the fields
+    mxfp8 = complete_config({"fp8": "e4m3", "fp8_recipe": "mxfp8"})
+    assert "mixed_precision=bf16_with_mxfp8_mixed" in bridge_overrides(mxfp8, "0.19.2")
 
 
 def test_the_export_command_refuses_with_the_tools_reason(tmp_path: Path) -> None:
@@ -97,8 +104,10 @@ def test_sharding_and_precision_carry_what_the_tools_demand() -> None:
     overrides = bridge_overrides(megatron_fsdp, "0.19.2")
     assert {"ddp.use_megatron_fsdp=true", "dist.use_megatron_fsdp=true"} <= set(overrides)
     assert "dist.use_megatron_fsdp=false" in bridge_overrides(complete_config({}), "0.19.2")  # Bridge ORs the two
-    fp8 = bridge_overrides(complete_config({"fp8": "hybrid", "fp8_recipe": "tensorwise"}), "0.19.2")
+    fp8 = bridge_overrides(complete_config({"fp8": "hybrid", "fp8_recipe": "tensorwise"}), "0.16.1")
     assert {"mixed_precision.fp8=hybrid", "mixed_precision.fp8_recipe=tensorwise"} <= set(fp8)
+    assert "mixed_precision=bf16_with_fp8_current_scaling_mixed" in bridge_overrides(
+        complete_config({"fp8": "hybrid", "fp8_recipe": "tensorwise"}), "0.19.2")  # Bridge 0.6: its preset
     assert not any(o.startswith("model.fp8") for o in fp8)  # Bridge resets model.fp8 from mixed_precision
     assert "model.freeze_language_model=false" in fp8  # the Qwen3-VL MoE provider freezes the LM by default
 
@@ -203,3 +212,20 @@ def test_export_of_a_bad_document_names_the_field(tmp_path: Path) -> None:
                             timeout=60)
     assert result.returncode == 2
     assert f"{path}: config.micro_batch_size: expected an integer >= 1, got 0" in result.stderr
+
+
+def test_a_target_release_picks_the_format_and_the_spelling(tmp_path: Path) -> None:
+    config = complete_config({"cuda_graph_impl": "transformer_engine", "cuda_graph_scope": ["attn"]})
+    (tmp_path / "winner.yaml").write_text(render(config, "yaml", "0.19.2", {"tuned": ["cuda_graph_impl"]}))
+
+    def export(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "autotune", "export", str(tmp_path), *args],
+                              capture_output=True, text=True, timeout=60)
+
+    default, old_bridge, old_mlm = export(), export("--target", "bridge-0.3"), export("--target", "megatron-lm-0.17")
+    assert "model.cuda_graph_modules=[attn]" in default.stdout  # the version the winner ran on
+    assert "model.cuda_graph_scope=[attn]" in old_bridge.stdout and "cuda_graph_modules" not in old_bridge.stdout
+    assert "--cuda-graph-impl transformer_engine --cuda-graph-scope attn" in old_mlm.stdout
+    assert old_mlm.stdout.startswith("# Megatron-LM flags for megatron-core 0.17.1")
+    wrong = export("--target", "bridge-0.4")
+    assert wrong.returncode == 2 and "bridge-0.3" in wrong.stderr

@@ -1,0 +1,126 @@
+"""Exports fed to the tools users paste them into, and judged by those tools' own code.
+
+- Megatron-LM (megatron-core 0.16.1 to 0.19.2): its ``parse_args`` and ``validate_args`` with
+  ``pretrain_vlm.py``'s arguments run on the GPU machine, where ``megatron/training`` imports
+  (``trainables/megatron/megatron_lm_args.py``); their verdicts and flag tables are committed under
+  ``bench/results/megatron_lm_check/``. These tests recompute today's exports and hold them to
+  those verdicts (an export that changed has not been checked: re-run the check) and every export
+  of every accepted config to the release's flags, operand counts and choices.
+- Megatron-Bridge 0.3.1 (megatron-core 0.16.1, the newest on Python 3.11) runs here, in a
+  subprocess (``bridge_harness.py`` says what it stands in for on a CPU): its override parser and
+  ``ConfigContainer.validate()`` on its Qwen3-VL-30B-A3B recipe, whose model sets ``cuda_graph_scope``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra.core.override_parser.overrides_parser import OverridesParser
+
+from autotune.core.knobs import complete_config
+from autotune.export import ExportRefused, megatron_lm_args
+from autotune.export_check import control_cases, export_cases
+from autotune.space import load_space, target_context
+from autotune.survey import survey_space
+
+ROOT = Path(__file__).resolve().parent.parent
+CHECKED = ROOT / "bench" / "results" / "megatron_lm_check"
+MEGATRON_LM_VERSIONS = ("0.16.1", "0.17.1", "0.18.0", "0.19.2")
+RECHECK = ("re-run the check on the GPU machine (bench/README.md, 'Exports checked by Megatron-LM') "
+           "and commit bench/results/megatron_lm_check/")
+
+
+def committed_check(version: str) -> dict:
+    return json.loads((CHECKED / f"{version}.json").read_text())
+
+
+@pytest.mark.parametrize("version", MEGATRON_LM_VERSIONS)
+def test_megatron_lm_accepts_every_export(version: str) -> None:
+    check = committed_check(version)
+    assert check["contract"]["megatron_core"] == version
+    verdicts = {result["key"]: result["error"] for result in check["results"]}
+    cases = list(export_cases("megatron-lm", version))
+    unchecked = [case.key for case in cases if case.key not in verdicts]
+    rejected = [(case.key, verdicts[case.key]) for case in cases if verdicts.get(case.key)]
+    controls = [verdicts.get(case.key) for case in control_cases("megatron-lm")]
+    assert all(controls), f"Megatron-LM {version} took a launch it must reject: {controls}"  # the check can say no
+    assert not rejected, f"Megatron-LM {version} rejects {len(rejected)} exports, e.g. {rejected[0]}"
+    assert not unchecked, f"{len(unchecked)} of {len(cases)} exports are not in the committed check: {RECHECK}"
+
+
+def _operands_fit(count: int, wanted: int | str) -> bool:
+    return {"+": count >= 1, "*": True, "?": count <= 1}.get(str(wanted), count == wanted)
+
+
+@pytest.mark.parametrize("version", MEGATRON_LM_VERSIONS)
+def test_every_flag_of_every_accepted_config_is_megatron_lms(version: str) -> None:
+    flags = committed_check(version)["flags"]
+    checked = 0
+    for path in sorted((ROOT / "search_spaces").glob("*.yaml")):
+        space = load_space(path)
+        for config in survey_space(space, target_context(space)).accepted:
+            try:
+                argv = megatron_lm_args(config, version)
+            except ExportRefused:
+                continue
+            flag_positions = [i for i, arg in enumerate(argv) if arg.startswith("--")] + [len(argv)]
+            for start, end in zip(flag_positions, flag_positions[1:]):
+                flag, operands = argv[start], argv[start + 1:end]
+                assert flag in flags, f"{space.name}: Megatron-LM {version} has no {flag} ({config.describe()})"
+                assert _operands_fit(len(operands), flags[flag]["operands"]), \
+                    f"{flag} takes {flags[flag]['operands']} operands, the export gives {operands}"
+                choices = flags[flag]["choices"]
+                assert choices is None or all(o in choices for o in operands), f"{flag} {operands} not in {choices}"
+            checked += 1
+    assert checked > 1000
+
+
+@pytest.fixture(scope="module")
+def bridge_verdicts(tmp_path_factory: pytest.TempPathFactory) -> tuple[list, dict]:
+    if importlib.util.find_spec("megatron.bridge") is None:
+        if os.environ.get("CI"):
+            pytest.fail("megatron-bridge 0.3.1 is not installed (bin/bootstrap installs it)")
+        pytest.skip("megatron-bridge is not installed")
+    folder = tmp_path_factory.mktemp("bridge")
+    cases = [case.to_plain() for case in [*export_cases("bridge", "0.16.1"), *control_cases("bridge")]]
+    (folder / "cases.json").write_text(json.dumps({"cases": cases}))
+    subprocess.run([sys.executable, str(Path(__file__).parent / "bridge_harness.py"), str(folder / "cases.json"),
+                    str(folder / "verdicts.json")], check=True, capture_output=True, timeout=600, cwd=ROOT)
+    return cases, json.loads((folder / "verdicts.json").read_text())
+
+
+@pytest.mark.megatron
+def test_megatron_bridge_0_3_accepts_every_export_on_its_qwen3_vl_recipe(bridge_verdicts: tuple[list, dict]) -> None:
+    cases, verdicts = bridge_verdicts
+    assert verdicts["recipe_cuda_graph_scope"] == "full"  # the recipe's model sets the field the graph knobs write
+    assert len(verdicts["results"]) == len(cases) > 300
+    controls = [r for case, r in zip(cases, verdicts["results"]) if case["space"] == "control"]
+    assert len(controls) == 2 and all(r["error"] for r in controls), controls  # the check can say no
+    rejected = [(r["key"], r["error"]) for case, r in zip(cases, verdicts["results"])
+                if r["error"] and case["space"] != "control"]
+    assert not rejected, f"Bridge 0.3.1 rejects {len(rejected)} exports, e.g. {rejected[0]}"
+
+
+@pytest.mark.megatron
+def test_the_validated_bridge_config_holds_every_value_the_export_wrote(bridge_verdicts: tuple[list, dict]) -> None:
+    cases, verdicts = bridge_verdicts
+    parser = OverridesParser.create()
+    graphed = 0
+    for case, result in zip(cases, verdicts["results"]):
+        if case["space"] == "control":
+            continue
+        written = {o.key_or_group: o.value() for o in parser.parse_overrides(case["base"] + case["export"])}
+        config = complete_config(case["config"])
+        for key, value in written.items():
+            if key == "model.expert_tensor_parallel_size" and value is None:
+                value = config.tensor_model_parallel_size  # null: megatron-core takes the tensor-parallel size
+            assert result["fields"][key] == value, f"{key}: wrote {value!r}, Bridge holds {result['fields'][key]!r}"
+        graphed += written.get("model.cuda_graph_impl", "none") != "none"
+    assert graphed > 20
+
