@@ -156,7 +156,8 @@ def test_winner_exports_round_trip_through_the_registry(campaign_run) -> None:
     overrides = shlex.split(render(config, "bridge", version))
     assert read_bridge_overrides(overrides) == config
     assert {o.split("=")[0] for o in overrides} <= \
-        {KNOBS[name].bridge_key_for(version) for name in KNOBS} | BRIDGE_COMPANION_KEYS | {"model.cuda_graph_scope"}
+        {KNOBS[name].bridge_key_for(version) for name in KNOBS} | BRIDGE_COMPANION_KEYS | {"model.cuda_graph_scope"} \
+        | {"mixed_precision"}  # Bridge 0.6's precision preset
     assert read_megatron_lm_args(shlex.split(render(config, "megatron-lm", version))) == config
 
 

@@ -4,9 +4,9 @@
 Python 3.12 (for 0.16.1 it comes from Megatron-LM's ``core_v0.16.1`` tag): this runs where they
 import, the GPU machine, and its output is committed (``bench/results/megatron_lm_check/``). VLM
 training goes through ``pretrain_vlm.py``, whose extra arguments (``--freeze-ViT``, ``--freeze-LM``)
-are added by its ``add_vlm_extra_args``: that function is taken from the release's own file (only
-the function: the script's module imports need a training environment) and passed to
-``parse_args`` as the script passes it, with the script's ``args_defaults`` to ``validate_args``.
+are added by its ``add_vlm_extra_args``: its ``add_argument`` calls are read from the release's own
+file (the script's module imports need a training environment) and passed to ``parse_args`` as the
+script passes them, with the script's ``args_defaults`` to ``validate_args``.
 
 Each case is parsed exactly as a launch would be (``sys.argv`` and ``WORLD_SIZE`` set, the real
 ``parse_args``), then validated; the result is the tool's message, or none. The flag table (every
@@ -35,15 +35,29 @@ VLM_ARGS_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
 
 
 def vlm_extra_args_provider(pretrain_vlm: Path) -> Callable[[argparse.ArgumentParser], argparse.ArgumentParser]:
-    """``add_vlm_extra_args`` from a ``pretrain_vlm.py``, compiled alone (it uses only argparse)."""
+    """The arguments ``add_vlm_extra_args`` in a ``pretrain_vlm.py`` adds, read from its source (its
+    ``add_argument`` calls take only literals and builtin types), as an ``extra_args_provider``."""
     tree = ast.parse(pretrain_vlm.read_text(), filename=str(pretrain_vlm))
     function = next((node for node in tree.body
                      if isinstance(node, ast.FunctionDef) and node.name == "add_vlm_extra_args"), None)
     if function is None:
         raise SystemExit(f"{pretrain_vlm}: no add_vlm_extra_args function")
-    namespace: dict[str, Any] = {}
-    exec(compile(ast.Module(body=[function], type_ignores=[]), str(pretrain_vlm), "exec"), namespace)
-    return namespace["add_vlm_extra_args"]
+    builtin_types = {"int": int, "float": float, "str": str}
+    arguments = []
+    for call in ast.walk(function):
+        if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "add_argument":
+            options = [ast.literal_eval(arg) for arg in call.args]
+            settings = {keyword.arg: builtin_types[keyword.value.id] if isinstance(keyword.value, ast.Name)
+                        else ast.literal_eval(keyword.value) for keyword in call.keywords}
+            arguments.append((options, settings))
+
+    def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        group = parser.add_argument_group(title="vision language model specific arguments")
+        for options, settings in arguments:
+            group.add_argument(*options, **settings)
+        return parser
+
+    return provider
 
 
 def flag_table(parser: argparse.ArgumentParser) -> dict[str, dict[str, Any]]:
