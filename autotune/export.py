@@ -76,6 +76,14 @@ PADDED_EXPERTS_NOT_NEEDED = Version("0.18.0")
 """Megatron-LM before 0.18 asserts ``--moe-pad-experts-for-cuda-graph-inference`` for local graphs
 with expert parallelism."""
 
+PRETRAIN_VLM_FSDP_NOTE = (
+    "# note: Megatron-LM's pretrain_vlm.py asserts --ckpt-format torch, which validate_args refuses with FSDP "
+    "(torch FSDP2: torch_dist or torch_dcp; Megatron-FSDP: fsdp_dtensor): launch this from a VLM script that "
+    "saves in those formats")
+"""Megatron-LM's own VLM script cannot run an FSDP winner (its model provider, which no parser check
+reaches, asserts the legacy checkpoint format): said above the flags rather than refused, since the
+flags are right for Megatron-LM's other entry points."""
+
 BRIDGE_COMPANION_KEYS = frozenset({
     "rerun_state_machine.check_for_nan_in_loss", "model.freeze_language_model", "dist.use_megatron_fsdp",
     "train.global_batch_size", "checkpoint.ckpt_format",
@@ -274,6 +282,8 @@ def header(config: Config, fmt: Format, megatron_core_version: str | None, extra
                    if name not in kept and value != KNOBS[name].default]
         if assumed:
             lines.append("# also measured with (not written; --all writes them): " + " ".join(assumed))
+    if fmt == "megatron-lm" and (config.use_torch_fsdp2 or config.use_megatron_fsdp):
+        lines.append(PRETRAIN_VLM_FSDP_NOTE)
     return lines
 
 

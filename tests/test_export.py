@@ -16,8 +16,8 @@ import yaml
 
 from autotune.core.knobs import KNOBS, complete_config
 from autotune.export import (
-    BRIDGE_COMPANION_KEYS, BRIDGE_PRECISION_PRESET, FORMATS, ExportRefused, bridge_overrides, load_document, megatron_lm_args,
-    read_bridge_overrides, read_megatron_lm_args, render,
+    BRIDGE_COMPANION_KEYS, BRIDGE_PRECISION_PRESET, FORMATS, ExportRefused, bridge_overrides, header, load_document,
+    megatron_lm_args, read_bridge_overrides, read_megatron_lm_args, render,
 )
 from autotune.space import load_space
 
@@ -212,6 +212,15 @@ def test_export_of_a_bad_document_names_the_field(tmp_path: Path) -> None:
                             timeout=60)
     assert result.returncode == 2
     assert f"{path}: config.micro_batch_size: expected an integer >= 1, got 0" in result.stderr
+
+
+def test_an_fsdp_winner_for_megatron_lm_says_pretrain_vlm_cannot_save_it() -> None:
+    for sharding in ({"use_torch_fsdp2": True}, {"use_megatron_fsdp": True, "data_parallel_sharding_strategy": "optim_grads"}):
+        lines = header(complete_config(sharding), "megatron-lm", "0.19.2", {})
+        assert any("pretrain_vlm.py asserts --ckpt-format torch" in line for line in lines)
+    assert not any("pretrain_vlm.py" in line for line in header(complete_config({}), "megatron-lm", "0.19.2", {}))
+    assert not any("pretrain_vlm.py" in line
+                   for line in header(complete_config({"use_torch_fsdp2": True}), "bridge", "0.19.2", {}))
 
 
 def test_a_target_release_picks_the_format_and_the_spelling(tmp_path: Path) -> None:
