@@ -41,7 +41,8 @@ from packaging.version import Version
 
 TRAINING_ONLY = ("transformer_engine", "triton", "timm", "wandb", "open_clip", "mamba_ssm", "causal_conv1d", "fla",
                  "nvidia_resiliency_ext", "mlflow", "qwen_vl_utils", "datasets", "peft", "diffusers", "mistral_common",
-                 "comet_ml", "flashinfer", "fast_hadamard_transform", "accelerate", "tensorboard", "megatron.energon", "modelopt", "webdataset", "torchvision")
+                 "comet_ml", "flashinfer", "fast_hadamard_transform", "accelerate", "tensorboard", "megatron.energon",
+                 "modelopt", "webdataset", "torchvision")
 """Packages Bridge imports that the override parser and ``validate()`` never use: replaced where absent."""
 TE_FUSED_PERMUTATION = ("fused_permute", "fused_permute_with_probs", "fused_sort_chunks_by_index",
                         "fused_sort_chunks_by_index_with_probs", "fused_unpermute")
@@ -124,7 +125,7 @@ def install() -> None:
 
 
 def qwen3_vl_moe_checkpoint(directory: Path) -> Path:
-    """A Qwen3-VL MoE Hugging Face config (2 decoder layers of 8 experts, 2 ViT layers) in
+    """A Qwen3-VL MoE Hugging Face config (4 decoder layers of 8 experts, 2 ViT layers) in
     ``directory``: what the recipe's ``hf_path`` points at."""
     from transformers import Qwen3VLMoeConfig
 
