@@ -20,7 +20,8 @@ from typing import Any, Iterator
 from autotune.core.knobs import KNOBS, Config
 from autotune.core.model import ModelSpec
 from autotune.export import ExportRefused, Format, bridge_overrides, megatron_lm_args
-from autotune.space import load_space, target_context
+from autotune.rules import RuleContext
+from autotune.space import SearchSpace, load_space, target_context
 from autotune.survey import survey_space
 
 SPACES_DIR = Path(__file__).resolve().parent.parent / "search_spaces"
@@ -88,17 +89,24 @@ def megatron_lm_model_args(model: ModelSpec) -> list[str]:
     return args
 
 
+def accepted_configs(spaces_dir: Path = SPACES_DIR) -> Iterator[tuple[SearchSpace, RuleContext, list[Config]]]:
+    """Each shipped space, its target's rule context, and the configs the rules accept there: the
+    configs a campaign on it can make a winner."""
+    for path in sorted(spaces_dir.glob("*.yaml")):
+        space = load_space(path)
+        context = target_context(space)
+        yield space, context, survey_space(space, context).accepted
+
+
 def export_cases(fmt: Format, megatron_core_version: str, spaces_dir: Path = SPACES_DIR) -> Iterator[ExportCase]:
     """Every shipped space's pairwise cover, exported in ``fmt`` for ``megatron_core_version``, tuned
     knobs and ``--all``; identical exports once. Configs the export refuses are left out (the tests
     check the refusals by their reasons)."""
     seen: set[str] = set()
-    for path in sorted(spaces_dir.glob("*.yaml")):
-        space = load_space(path)
-        context = target_context(space)
+    write = bridge_overrides if fmt == "bridge" else megatron_lm_args
+    for space, context, accepted in accepted_configs(spaces_dir):
         model_args = tuple(megatron_lm_model_args(context.model)) if fmt == "megatron-lm" else ()
-        write = bridge_overrides if fmt == "bridge" else megatron_lm_args
-        for config in pairwise_cover(survey_space(space, context).accepted):
+        for config in pairwise_cover(accepted):
             try:
                 every_knob = tuple(write(config, megatron_core_version, None))
                 tuned = tuple(write(config, megatron_core_version, list(space.tuned)))

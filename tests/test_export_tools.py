@@ -25,9 +25,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from autotune.core.knobs import complete_config
 from autotune.export import ExportRefused, megatron_lm_args
-from autotune.export_check import control_cases, export_cases
-from autotune.space import load_space, target_context
-from autotune.survey import survey_space
+from autotune.export_check import accepted_configs, control_cases, export_cases
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECKED = ROOT / "bench" / "results" / "megatron_lm_check"
@@ -62,9 +60,8 @@ def _operands_fit(count: int, wanted: int | str) -> bool:
 def test_every_flag_of_every_accepted_config_is_megatron_lms(version: str) -> None:
     flags = committed_check(version)["flags"]
     checked = 0
-    for path in sorted((ROOT / "search_spaces").glob("*.yaml")):
-        space = load_space(path)
-        for config in survey_space(space, target_context(space)).accepted:
+    for space, _, accepted in accepted_configs():
+        for config in accepted:
             try:
                 argv = megatron_lm_args(config, version)
             except ExportRefused:

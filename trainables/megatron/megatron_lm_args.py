@@ -89,8 +89,9 @@ def validation_error(argv: list[str], world_size: int, provider: Callable) -> st
             args = parse_args(provider)
             validate_args(args, dict(VLM_ARGS_DEFAULTS))
         return None
-    except SystemExit:
-        return errors.getvalue().strip().splitlines()[-1]
+    except SystemExit as exc:  # argparse's error, its message on stderr
+        lines = errors.getvalue().strip().splitlines()
+        return lines[-1] if lines else f"SystemExit: {exc.code}"
     except Exception as exc:  # the validators raise AssertionError, ValueError, RuntimeError, …
         return f"{type(exc).__name__}: {exc}".strip()
     finally:
