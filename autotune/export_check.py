@@ -11,6 +11,7 @@ results to the cases this module computes today, so an export that changes is ch
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import asdict, dataclass
 from itertools import combinations
@@ -89,6 +90,14 @@ def megatron_lm_model_args(model: ModelSpec) -> list[str]:
     return args
 
 
+def bridge_workload_overrides(space: SearchSpace, world_size: int) -> list[str]:
+    """The workload part of a Bridge launch: a global batch every config of ``space`` splits over
+    ``world_size`` ranks (the world times every micro-batch size). Megatron-LM derives its global
+    batch from MBS × DP when none is given; a Bridge recipe fixes one (32 in the Qwen3-VL recipes),
+    which 64 ranks cannot split, and a campaign that fixed none leaves the user's own in place."""
+    return [f"train.global_batch_size={world_size * math.lcm(*space.choices('micro_batch_size'))}"]
+
+
 def accepted_configs(spaces_dir: Path = SPACES_DIR) -> Iterator[tuple[SearchSpace, RuleContext, list[Config]]]:
     """Each shipped space, its target's rule context, and the configs the rules accept there: the
     configs a campaign on it can make a winner."""
@@ -105,14 +114,15 @@ def export_cases(fmt: Format, megatron_core_version: str, spaces_dir: Path = SPA
     seen: set[str] = set()
     write = bridge_overrides if fmt == "bridge" else megatron_lm_args
     for space, context, accepted in accepted_configs(spaces_dir):
-        model_args = tuple(megatron_lm_model_args(context.model)) if fmt == "megatron-lm" else ()
+        base_args = tuple(megatron_lm_model_args(context.model) if fmt == "megatron-lm"
+                          else bridge_workload_overrides(space, context.world_size))
         for config in pairwise_cover(accepted):
             try:
                 every_knob = tuple(write(config, megatron_core_version, None))
                 tuned = tuple(write(config, megatron_core_version, list(space.tuned)))
             except ExportRefused:
                 continue
-            for base, export in ((model_args, every_knob), (model_args + every_knob, tuned)):
+            for base, export in ((base_args, every_knob), (base_args + every_knob, tuned)):
                 case = ExportCase(space=space.name, world_size=context.world_size, base=base,
                                   export=export, config=config.to_plain())
                 if case.key not in seen:

@@ -19,13 +19,15 @@ training and which ends in ``ConfigContainer.validate()``), so, for the checks o
   download, no weights): ``AutoBridge.from_hf_pretrained`` reads only the config; Bridge 0.6's
   recipes name the Hub checkpoint, which an offline Hub cache then holds.
 
-On the GPU machine (Bridge 0.6.2, megatron-core 0.19.2, TE 2.20.2) only the absent packages are
-replaced. The product never imports this module.
+Bridge 0.6.2 (megatron-core 0.19.2) needs Python 3.12: its committed check ran on the GPU machine,
+without TE on the path (the same stand-ins, TE 2.12 answered) and with the H200's real properties.
+The product never imports this module.
 """
 
 from __future__ import annotations
 
 import abc
+import dataclasses
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -92,6 +94,7 @@ class _MissingPackages(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 _installed = False
+_replaced: list[str] = []
 
 
 def install() -> None:
@@ -121,6 +124,7 @@ def install() -> None:
     if not torch.cuda.is_available():
         torch.cuda.get_device_properties = lambda *args, **kwargs: GB200
     sys.meta_path.insert(0, _MissingPackages(absent))
+    _replaced.extend(absent)
     _installed = True
 
 
@@ -159,7 +163,9 @@ def qwen3_vl_30b_a3b_recipe(directory: Path) -> Any:
     """Megatron-Bridge's Qwen3-VL-30B-A3B recipe of the installed release, on the small config:
     0.3's pretraining recipe (``hf_path`` given, mock data), 0.6's 8-GPU H100 SFT recipe (which names
     the Hub checkpoint and sets ``cuda_graph_scope = "full"``; read from the offline cache that
-    ``HF_HUB_CACHE`` names)."""
+    ``HF_HUB_CACHE`` names) without its in-batch sequence packing: the bursts measure unpacked
+    samples, so a winner is checked on the workload it was measured on (packing, which refuses
+    MBS 1, is a workload choice of its own)."""
     import megatron.bridge
 
     if megatron.bridge.__version__.startswith("0.3"):
@@ -169,7 +175,9 @@ def qwen3_vl_30b_a3b_recipe(directory: Path) -> Any:
     offline_hub_checkpoint("Qwen/Qwen3-VL-30B-A3B-Instruct", Path(os.environ["HF_HUB_CACHE"]))
     from megatron.bridge.recipes.qwen_vl.h100.qwen3_vl import qwen3_vl_30b_a3b_sft_8gpu_h100_bf16_config
 
-    return qwen3_vl_30b_a3b_sft_8gpu_h100_bf16_config()
+    recipe = qwen3_vl_30b_a3b_sft_8gpu_h100_bf16_config()
+    recipe.dataset.enable_in_batch_packing = False
+    return recipe
 
 
 def validation_error(config: Any, overrides: list[str], world_size: int) -> str | None:
@@ -196,7 +204,10 @@ def validation_error(config: Any, overrides: list[str], world_size: int) -> str 
 
 
 def _plain(value: Any) -> Any:
-    """A field as the override wrote it: enums by name, sequences as lists."""
+    """A field as the override wrote it: enums by name, sequences as lists, a config (the precision
+    preset ``runtime_config_update`` resolves to its ``MixedPrecisionConfig``) field by field."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {field.name: _plain(getattr(value, field.name)) for field in dataclasses.fields(value)}
     if hasattr(value, "name") and hasattr(value, "value") and not isinstance(value, (str, int, float, bool)):
         return value.name
     if isinstance(value, (list, tuple)):
@@ -208,6 +219,15 @@ def _field(config: Any, dotted: str) -> Any:
     for part in dotted.split("."):
         config = getattr(config, part)
     return _plain(config)
+
+
+def _transformer_engine() -> str:
+    """The TE the checks saw: the installed release, or the stand-ins and the version they answer."""
+    if "transformer_engine" in _replaced:
+        return f"absent: placeholders, megatron-core told {TE_VERSION_PINNED}"
+    import transformer_engine
+
+    return transformer_engine.__version__
 
 
 def main(cases_path: Path, out: Path) -> None:
@@ -238,6 +258,7 @@ def main(cases_path: Path, out: Path) -> None:
     out.write_text(json.dumps({
         "contract": {"megatron_bridge": megatron.bridge.__version__, "megatron_core": megatron.core.__version__,
                      "torch": torch.__version__, "python": sys.version.split()[0],
+                     "transformer_engine": _transformer_engine(),
                      "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu (harness)",
                      "recipe": f"{type(recipe.model).__name__} from the Qwen3-VL-30B-A3B recipe, small config"},
         "recipe_cuda_graph_scope": _plain(recipe.model.cuda_graph_scope), "results": results}, default=str))

@@ -97,24 +97,37 @@ def test_the_proposer_walks_the_frontier_after_the_warm_starts_and_then_samples(
 CPU_DEMO = load_space(Path("search_spaces/cpu_demo.yaml"))
 
 
-def test_an_incumbent_at_the_largest_micro_batch_relaxes_from_its_own_level_then_tries_the_other_sharding() -> None:
-    frontier = MemoryFrontier(CPU_DEMO, CPU_DEMO.configs())
+def cpu(recompute: str, *modules: str, fsdp: bool):
+    """A ``cpu_demo`` config at MBS 8, its largest, vision frozen."""
+    return complete_config({"micro_batch_size": 8, "recompute_granularity": recompute,
+                            "recompute_modules": list(modules) if recompute == "selective" else None,
+                            "use_torch_fsdp2": fsdp, "freeze_vision_model": True}, defaults=CPU_DEMO.fixed)
 
-    def cpu(recompute: str, *modules: str, fsdp: bool):
-        return complete_config({"micro_batch_size": 8, "recompute_granularity": recompute,
-                                "recompute_modules": list(modules) if recompute == "selective" else None,
-                                "use_torch_fsdp2": fsdp, "freeze_vision_model": True}, defaults=CPU_DEMO.fixed)
+
+def test_an_incumbent_at_the_largest_micro_batch_relaxes_from_its_own_level_then_walks_the_other_sharding() -> None:
+    frontier = MemoryFrontier(CPU_DEMO, CPU_DEMO.configs())
 
     incumbent = cpu("selective", "core_attn", fsdp=True)
     results = {incumbent: Result("ok", 100.0)}
     # nothing larger to fit and saving more would only cost time: full recompute is not run again
     assert frontier.next(incumbent, results, set()) == cpu("none", fsdp=True)
     results[cpu("none", fsdp=True)] = Result("ok", 97.0)
-    assert frontier.next(incumbent, results, set()) == cpu("selective", "core_attn", fsdp=False)  # then DDP
-    results[cpu("selective", "core_attn", fsdp=False)] = Result("ok", 104.0)
-    assert frontier.next(incumbent, results, set()) == "done"
-    # DDP is the new incumbent: below its recompute level lies "none" under DDP, then FSDP is known
     ddp = cpu("selective", "core_attn", fsdp=False)
-    assert frontier.next(ddp, results, set()) == cpu("none", fsdp=False)
-    results[cpu("none", fsdp=False)] = Result("pruned", 80.0)
-    assert frontier.next(ddp, results, set()) == "done"
+    assert frontier.next(incumbent, results, set()) == ddp  # then DDP
+    assert frontier.next(incumbent, results, {ddp}) == "wait"
+    results[ddp] = Result("ok", 96.0)
+    # slower than the incumbent, yet DDP holds other memory: its own recompute is walked too (the CPU
+    # table: "none" lost to core_attn under FSDP2 and won under DDP)
+    assert frontier.next(incumbent, results, set()) == cpu("none", fsdp=False)
+    results[cpu("none", fsdp=False)] = Result("ok", 104.0)
+    assert frontier.next(incumbent, results, set()) == "done"
+    # DDP without recompute is the new incumbent: below it nothing, and FSDP2 is walked already
+    assert frontier.next(cpu("none", fsdp=False), results, set()) == "done"
+
+
+def test_a_sharding_that_cannot_run_is_not_walked() -> None:
+    frontier = MemoryFrontier(CPU_DEMO, CPU_DEMO.configs())
+
+    incumbent = cpu("none", fsdp=True)
+    results = {incumbent: Result("ok", 100.0), cpu("none", fsdp=False): Result("oom", None)}
+    assert frontier.next(incumbent, results, set()) == "done"  # DDP's lighter recompute levels are not tried

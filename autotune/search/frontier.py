@@ -16,7 +16,10 @@ knobs, with every part the space lets freeze frozen (the seed: a small real gain
    before it: recompute the memory no longer needs only costs time ("selective beats full once the
    model fits"), and once relaxing stops paying, relaxing further rarely does.
 3. The best config of the walk is tried with each other data-parallel sharding the space offers
-   (FSDP against DDP): the other trade of memory for time, settled once recompute is.
+   (FSDP against DDP): the other trade of memory for time, settled once recompute is. Each sharding
+   that runs is walked in turn (steps 1 and 2 from it): it holds a different amount of memory, so
+   its frontier and the recompute it can do without are its own (on the CPU table, selective
+   ``core_attn`` beat ``none`` under FSDP2 and lost to it under DDP, where DDP was fastest).
 
 The walk is a function of the results so far, so a campaign that resumes walks on from where it
 was, and a new incumbent (found by the sampler, or by step 3) walks from where it stands: with
@@ -78,6 +81,23 @@ class MemoryFrontier:
     def next(self, anchor: Config | None, results: Mapping[Config, Result], running: set[Config]) -> Step:
         if anchor is None:
             return "wait"
+        step, best = self._walk(anchor, results, running)
+        if best is None:
+            return step
+        for variant in self.shardings[_values(best, SHARDING_KNOBS)]:
+            if variant == best:
+                continue
+            if variant in running:
+                return "wait"
+            if variant not in results:
+                return variant
+            if results[variant].measured and (step := self._walk(variant, results, running)[0]) != "done":
+                return step
+        return "done"
+
+    def _walk(self, anchor: Config, results: Mapping[Config, Result], running: set[Config]) -> tuple[Step, Config | None]:
+        """Steps 1 and 2 from ``anchor``: the next step, and once they are done the best config they
+        measured (``None`` while they go on, or when nothing fits)."""
         for micro_batch_size in self.batch_sizes:
             if micro_batch_size < anchor.micro_batch_size:
                 break
@@ -87,13 +107,12 @@ class MemoryFrontier:
             if isinstance(fitted, int):
                 step = self._relax(levels[fitted:], results, running)
                 if step != "done":
-                    return step
-                best = max((c for level in levels for c in level if c in results and results[c].measured),
-                           key=lambda c: results[c].value)
-                return self._reshard(best, results, running)
+                    return step, None
+                return "done", max((c for level in levels for c in level if c in results and results[c].measured),
+                                   key=lambda c: results[c].value)
             if fitted is not None:
-                return fitted
-        return "done"
+                return fitted, None
+        return "done", None
 
     @staticmethod
     def _fit(levels: list[list[Config]], results: Mapping[Config, Result], running: set[Config]) -> int | Step | None:
@@ -125,13 +144,6 @@ class MemoryFrontier:
                 return "done"
             best = max(measured)
         return "done"
-
-    def _reshard(self, best: Config, results: Mapping[Config, Result], running: set[Config]) -> Step:
-        """``best`` under each other data-parallel sharding of the space."""
-        variants = [config for config in self.shardings[_values(best, SHARDING_KNOBS)] if config != best]
-        if untried := [config for config in variants if config not in results and config not in running]:
-            return untried[0]
-        return "wait" if any(config in running for config in variants) else "done"
 
 
 def _values(config: Config, leaving_out: frozenset[str]) -> tuple:
