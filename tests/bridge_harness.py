@@ -15,9 +15,10 @@ training and which ends in ``ConfigContainer.validate()``), so, for the checks o
   are placeholder classes, for Bridge's own imports;
 - without CUDA, ``torch.cuda.get_device_properties`` answers for a GB200 (compute capability 10.0),
   our users' GPU, so the recipe's dispatcher choices are the ones they get;
-- the model's Hugging Face config is a small Qwen3-VL MoE written to a temporary directory (no
-  download, no weights): ``AutoBridge.from_hf_pretrained`` reads only the config; Bridge 0.6's
-  recipes name the Hub checkpoint, which an offline Hub cache then holds.
+- the model's checkpoint directory is our small Qwen3-VL MoE proxy (``trainables/bridge/hf_proxy.py``:
+  config, tokenizer, image processor; no weights) in a temporary directory: Bridge 0.6's recipes
+  name the Hub checkpoint, which an offline Hub cache then holds. (The committed 0.6.2 verdicts
+  were made with an earlier config of the same shape written here: vocabulary 1,024, Qwen's token ids.)
 
 Bridge 0.6.2 (megatron-core 0.19.2) needs Python 3.12: its committed check ran on the GPU machine,
 without TE on the path (the same stand-ins, TE 2.12 answered) and with the H200's real properties.
@@ -41,6 +42,8 @@ from typing import Any
 
 from packaging.version import Version
 
+from trainables.bridge.hf_proxy import write_qwen3_vl_moe_proxy
+
 TRAINING_ONLY = ("transformer_engine", "triton", "timm", "wandb", "open_clip", "mamba_ssm", "causal_conv1d", "fla",
                  "nvidia_resiliency_ext", "mlflow", "qwen_vl_utils", "datasets", "peft", "diffusers", "mistral_common",
                  "comet_ml", "flashinfer", "fast_hadamard_transform", "accelerate", "tensorboard", "megatron.energon",
@@ -51,6 +54,8 @@ TE_FUSED_PERMUTATION = ("fused_permute", "fused_permute_with_probs", "fused_sort
 TE_VERSION_PINNED = Version("2.12.0")
 """The newest Transformer Engine Megatron-Bridge 0.3.1 accepts (``<2.13``): what megatron-core's
 version checks (FP8 recipes) are told where TE is absent."""
+PROVIDER_SHAPE = ("num_layers", "hidden_size", "num_moe_experts", "moe_router_topk", "vocab_size", "image_token_id")
+"""What the verdicts record of the provider Bridge built from the checkpoint directory."""
 GB200 = types.SimpleNamespace(name="NVIDIA GB200", major=10, minor=0, total_memory=186 * 2**30,
                               multi_processor_count=152)
 
@@ -128,33 +133,14 @@ def install() -> None:
     _installed = True
 
 
-def qwen3_vl_moe_checkpoint(directory: Path) -> Path:
-    """A Qwen3-VL MoE Hugging Face config (4 decoder layers of 8 experts, 2 ViT layers) in
-    ``directory``: what the recipe's ``hf_path`` points at."""
-    from transformers import Qwen3VLMoeConfig
-
-    config = Qwen3VLMoeConfig(
-        text_config={"num_hidden_layers": 4, "hidden_size": 256, "intermediate_size": 512,
-                     "moe_intermediate_size": 128, "num_experts": 8, "num_experts_per_tok": 2,
-                     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1024,
-                     "rope_scaling": {"rope_type": "default", "mrope_section": [12, 10, 10],
-                                      "mrope_interleaved": True}},
-        vision_config={"depth": 2, "hidden_size": 128, "intermediate_size": 256, "num_heads": 2,
-                       "out_hidden_size": 256, "deepstack_visual_indexes": [0]},
-    )
-    config.architectures = ["Qwen3VLMoeForConditionalGeneration"]
-    config.save_pretrained(directory)
-    return directory
-
-
 def offline_hub_checkpoint(repo_id: str, cache: Path) -> None:
-    """The small config under ``repo_id`` in a Hugging Face cache at ``cache``, for recipes that
+    """Our proxy checkpoint under ``repo_id`` in a Hugging Face cache at ``cache``, for recipes that
     name the Hub checkpoint themselves (Bridge 0.6): run with ``HF_HUB_OFFLINE=1`` and
     ``HF_HUB_CACHE=cache``, ``from_pretrained`` finds it there, as on a cluster without internet."""
     revision = "0" * 40
     snapshot = cache / f"models--{repo_id.replace('/', '--')}" / "snapshots" / revision
     snapshot.mkdir(parents=True, exist_ok=True)
-    qwen3_vl_moe_checkpoint(snapshot)
+    write_qwen3_vl_moe_proxy(snapshot)
     (snapshot.parent.parent / "refs").mkdir(exist_ok=True)
     (snapshot.parent.parent / "refs" / "main").write_text(revision)
 
@@ -171,7 +157,7 @@ def qwen3_vl_30b_a3b_recipe(directory: Path) -> Any:
     if megatron.bridge.__version__.startswith("0.3"):
         from megatron.bridge.recipes.qwen_vl.qwen3_vl import qwen3_vl_30b_a3b_pretrain_config
 
-        return qwen3_vl_30b_a3b_pretrain_config(hf_path=str(qwen3_vl_moe_checkpoint(directory)), mock=True)
+        return qwen3_vl_30b_a3b_pretrain_config(hf_path=str(write_qwen3_vl_moe_proxy(directory / "proxy")), mock=True)
     offline_hub_checkpoint("Qwen/Qwen3-VL-30B-A3B-Instruct", Path(os.environ["HF_HUB_CACHE"]))
     from megatron.bridge.recipes.qwen_vl.h100.qwen3_vl import qwen3_vl_30b_a3b_sft_8gpu_h100_bf16_config
 
@@ -260,7 +246,8 @@ def main(cases_path: Path, out: Path) -> None:
                      "torch": torch.__version__, "python": sys.version.split()[0],
                      "transformer_engine": _transformer_engine(),
                      "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu (harness)",
-                     "recipe": f"{type(recipe.model).__name__} from the Qwen3-VL-30B-A3B recipe, small config"},
+                     "recipe": f"{type(recipe.model).__name__} from the Qwen3-VL-30B-A3B recipe, small config",
+                     "provider": {name: getattr(recipe.model, name) for name in PROVIDER_SHAPE}},
         "recipe_cuda_graph_scope": _plain(recipe.model.cuda_graph_scope), "results": results}, default=str))
 
 

@@ -124,3 +124,10 @@ def test_data_build_command(tmp_path: Path) -> None:
     result = autotune("data", "build", str(tmp_path / "shards"), "--samples-per-photo", "1")
     assert result.returncode == 0, result.stderr
     assert "16 samples in 1 shards" in result.stdout
+
+
+def test_data_hf_proxy_command_writes_a_checkpoint_directory(tmp_path: Path) -> None:
+    result = autotune("data", "hf-proxy", str(tmp_path / "proxy"))
+    assert result.returncode == 0, result.stderr
+    assert "4 decoder layers of 8 experts" in result.stdout
+    assert {"config.json", "tokenizer.json", "preprocessor_config.json"} <= {p.name for p in (tmp_path / "proxy").iterdir()}

@@ -28,6 +28,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from autotune.core.knobs import complete_config
 from autotune.export import ExportRefused, megatron_lm_args
 from autotune.export_check import accepted_configs, control_cases, export_cases
+from trainables.bridge.hf_proxy import ProxyShape, train_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECKED = ROOT / "bench" / "results" / "megatron_lm_check"
@@ -98,6 +99,11 @@ def bridge_verdicts(tmp_path_factory: pytest.TempPathFactory) -> tuple[list, dic
 def test_megatron_bridge_0_3_accepts_every_export_on_its_qwen3_vl_recipe(bridge_verdicts: tuple[list, dict]) -> None:
     cases, verdicts = bridge_verdicts
     assert verdicts["recipe_cuda_graph_scope"] == "full"  # the recipe's model sets the field the graph knobs write
+    shape, tokenizer = ProxyShape(), train_tokenizer()  # the provider Bridge built from our checkpoint directory
+    assert verdicts["contract"]["provider"] == {
+        "num_layers": shape.decoder_layers, "hidden_size": shape.hidden_size, "num_moe_experts": shape.experts,
+        "moe_router_topk": shape.experts_per_token, "vocab_size": tokenizer.get_vocab_size(),
+        "image_token_id": tokenizer.token_to_id("<|image_pad|>")}
     assert len(verdicts["results"]) == len(cases) > 300
     controls = [r for case, r in zip(cases, verdicts["results"]) if case["space"] == "control"]
     assert len(controls) == 2 and all(r["error"] for r in controls), controls  # the check can say no

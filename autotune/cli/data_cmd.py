@@ -27,3 +27,19 @@ def build(
         f"({report.total_bytes / 2**20:.1f} MiB of JPEG; long sides {report.long_sides[0]}–{report.long_sides[1]} px; "
         f"JPEG quality {report.qualities[0]}–{report.qualities[1]})"
     )
+
+
+@app.command("hf-proxy")
+def hf_proxy(out_dir: Path = typer.Argument(..., help="Folder to write the checkpoint directory into.")) -> None:
+    """A small Qwen3-VL-MoE checkpoint directory (config, BPE tokenizer, image processor), made offline,
+    that Megatron-Bridge's AutoBridge reads as it reads a user's."""
+    try:
+        from trainables.bridge.hf_proxy import ProxyShape, write_qwen3_vl_moe_proxy
+    except ImportError as exc:
+        raise typer.BadParameter(f"needs transformers ({exc}): pip install -e '.[bridge]'") from exc
+
+    shape = ProxyShape()
+    folder = write_qwen3_vl_moe_proxy(out_dir, shape)
+    console.print(f"Qwen3-VL-MoE proxy in {folder}: {shape.decoder_layers} decoder layers of {shape.experts} experts "
+                  f"(top-{shape.experts_per_token}), hidden {shape.hidden_size}, {shape.vision_layers} ViT layers; "
+                  f"tokenizer, chat template and image processor beside config.json")

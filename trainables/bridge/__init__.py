@@ -1,0 +1,1 @@
+"""Megatron-Bridge's side of the tuner: what a ``bridge`` trainable needs to run a user's recipe."""
