@@ -21,9 +21,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from trainables.data.photos import PHOTOS
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 QWEN_VL_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                           "<|image_pad|>", "<|video_pad|>")
@@ -67,8 +70,10 @@ def _texts() -> Iterator[str]:
             yield answer
 
 
-def train_tokenizer(vocab_size: int = 2048):  # -> tokenizers.Tokenizer
-    """A byte-level BPE (Qwen's kind) trained on our captions and questions, Qwen-VL special tokens first."""
+def train_tokenizer(vocab_size: int = 2048) -> Tokenizer:
+    """A byte-level BPE (Qwen's kind) trained on our captions and questions, Qwen-VL special tokens first.
+    ``vocab_size`` is a ceiling: our few hundred sentences stop merging at about 1,100 tokens, which
+    is the vocabulary ``config.json`` then declares."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
