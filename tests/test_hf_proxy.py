@@ -30,6 +30,8 @@ def test_the_config_is_qwen3_vl_moe_at_the_proxy_shape_with_the_tokenizers_ids(p
     assert len(set(ids.values())) == len(QWEN_VL_SPECIAL_TOKENS) and tokenizer.unk_token_id not in ids.values()
     assert (config.image_token_id, config.video_token_id, config.vision_start_token_id, config.vision_end_token_id) == (
         ids["<|image_pad|>"], ids["<|video_pad|>"], ids["<|vision_start|>"], ids["<|vision_end|>"])
+    # Bridge's Qwen-VL task encoder reads these attributes (else Qwen's 151655, beyond this vocabulary)
+    assert (tokenizer.image_token_id, tokenizer.video_token_id) == (config.image_token_id, config.video_token_id)
 
 
 def test_the_tokenizer_round_trips_our_texts_and_writes_chatml_with_one_image_pad(proxy: Path) -> None:

@@ -31,6 +31,10 @@ if TYPE_CHECKING:
 QWEN_VL_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                           "<|image_pad|>", "<|video_pad|>")
 """The Qwen-VL tokens Bridge's task encoders and the processor look for, each one id."""
+MEDIA_TOKENS = {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"}
+"""Named on the tokenizer (``tokenizer.image_token_id``): Bridge's Qwen-VL Energon task encoder reads
+the image id from that attribute and otherwise falls back to Qwen's own id (151655), which a
+vocabulary of our size does not hold."""
 CHATML_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
     "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
@@ -95,7 +99,7 @@ def write_qwen3_vl_moe_proxy(out_dir: Path, shape: ProxyShape = ProxyShape()) ->
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=train_tokenizer(), eos_token="<|im_end|>", pad_token="<|endoftext|>",
         additional_special_tokens=list(QWEN_VL_SPECIAL_TOKENS[1:]), chat_template=CHATML_TEMPLATE,
-        model_max_length=4096)
+        model_max_length=4096, extra_special_tokens=MEDIA_TOKENS)
     tokenizer.save_pretrained(out_dir)
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in QWEN_VL_SPECIAL_TOKENS}
     config = Qwen3VLMoeConfig(
