@@ -131,3 +131,18 @@ def test_data_hf_proxy_command_writes_a_checkpoint_directory(tmp_path: Path) -> 
     assert result.returncode == 0, result.stderr
     assert "4 decoder layers of 8 experts" in result.stdout
     assert {"config.json", "tokenizer.json", "preprocessor_config.json"} <= {p.name for p in (tmp_path / "proxy").iterdir()}
+
+
+def test_data_hf_proxy_without_transformers_names_the_extra(tmp_path: Path) -> None:
+    hide_transformers = (
+        "import sys\n"
+        "class Hide:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('transformers', 'tokenizers'): raise ImportError(f'No module named {name!r}')\n"
+        "sys.meta_path.insert(0, Hide())\n"
+        f"sys.argv = ['autotune', 'data', 'hf-proxy', {str(tmp_path / 'proxy')!r}]\n"
+        "from autotune.cli import main\nmain()\n")
+    result = subprocess.run([sys.executable, "-c", hide_transformers], capture_output=True, text=True,
+                            env={"COLUMNS": "200", "PATH": ""}, timeout=120)
+    assert result.returncode == 2
+    assert "needs transformers (No module named 'transformers'): pip install -e '.[bridge]'" in result.stdout

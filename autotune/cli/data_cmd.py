@@ -33,13 +33,15 @@ def build(
 def hf_proxy(out_dir: Path = typer.Argument(..., help="Folder to write the checkpoint directory into.")) -> None:
     """A small Qwen3-VL-MoE checkpoint directory (config, BPE tokenizer, image processor), made offline,
     that Megatron-Bridge's AutoBridge reads as it reads a user's."""
-    try:
-        from trainables.bridge.hf_proxy import ProxyShape, write_qwen3_vl_moe_proxy
-    except ImportError as exc:
-        raise typer.BadParameter(f"needs transformers ({exc}): pip install -e '.[bridge]'") from exc
+    from trainables.bridge.hf_proxy import ProxyShape, write_qwen3_vl_moe_proxy
 
     shape = ProxyShape()
-    folder = write_qwen3_vl_moe_proxy(out_dir, shape)
+    try:
+        folder = write_qwen3_vl_moe_proxy(out_dir, shape)
+    except ImportError as exc:  # transformers (and its tokenizers) are the bridge extra's
+        console.print(f"autotune data hf-proxy needs transformers ({exc}): pip install -e '.[bridge]'",
+                      style="red", markup=False)
+        raise typer.Exit(2) from exc
     console.print(f"Qwen3-VL-MoE proxy in {folder}: {shape.decoder_layers} decoder layers of {shape.experts} experts "
                   f"(top-{shape.experts_per_token}), hidden {shape.hidden_size}, {shape.vision_layers} ViT layers; "
                   f"tokenizer, chat template and image processor beside config.json")
