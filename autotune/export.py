@@ -144,10 +144,10 @@ def bridge_overrides(config: Config, megatron_core_version: str | None,
         raise ExportRefused(
             'Megatron Bridge 0.6 supports model.cuda_graph_impl="local" only for full-iteration CUDA graphs; '
             'use "transformer_engine" for scoped capture (export for megatron-core 0.16 to target Bridge 0.3)')
+    presets = _bridge_presets(megatron_core_version)
     overrides = [KNOBS[name].bridge_override(config[name], megatron_core_version)
-                 for name in names if name not in GRAPH_KNOBS
-                 and not (name in PRECISION_KNOBS and _bridge_presets(megatron_core_version))]
-    if _bridge_presets(megatron_core_version) and any(name in PRECISION_KNOBS for name in names):
+                 for name in names if name not in GRAPH_KNOBS and not (presets and name in PRECISION_KNOBS)]
+    if presets and any(name in PRECISION_KNOBS for name in names):
         overrides.append(f"mixed_precision={_precision_preset(config)}")
     scope_knob = KNOBS["cuda_graph_scope"]
     if "cuda_graph_impl" in names:

@@ -45,14 +45,20 @@ def committed_check(version: str) -> dict:
 def test_megatron_lm_accepts_every_export(version: str) -> None:
     check = committed_check(version)
     assert check["contract"]["megatron_core"] == version
+    assert_committed_check_accepts_today(f"Megatron-LM {version}", "megatron-lm", version, check, RECHECK)
+
+
+def assert_committed_check_accepts_today(tool: str, fmt: str, version: str, check: dict, recheck: str) -> None:
+    """The committed ``check`` rejected both controls (it can say no) and accepted every export
+    written today for ``fmt`` and megatron-core ``version``, each of which it holds."""
     verdicts = {result["key"]: result["error"] for result in check["results"]}
-    cases = list(export_cases("megatron-lm", version))
+    cases = list(export_cases(fmt, version))  # type: ignore[arg-type]
+    controls = [verdicts.get(case.key) for case in control_cases(fmt)]  # type: ignore[arg-type]
+    assert len(controls) == 2 and all(controls), f"{tool} took a launch it must reject: {controls}"
     unchecked = [case.key for case in cases if case.key not in verdicts]
-    rejected = [(case.key, verdicts[case.key]) for case in cases if verdicts.get(case.key)]
-    controls = [verdicts.get(case.key) for case in control_cases("megatron-lm")]
-    assert all(controls), f"Megatron-LM {version} took a launch it must reject: {controls}"  # the check can say no
-    assert not rejected, f"Megatron-LM {version} rejects {len(rejected)} exports, e.g. {rejected[0]}"
-    assert not unchecked, f"{len(unchecked)} of {len(cases)} exports are not in the committed check: {RECHECK}"
+    assert not unchecked, f"{len(unchecked)} of {len(cases)} exports are not in the committed check: {recheck}"
+    rejected = [(case.key, verdicts[case.key]) for case in cases if verdicts[case.key]]
+    assert not rejected, f"{tool} rejects {len(rejected)} exports, e.g. {rejected[0]}"
 
 
 def _operands_fit(count: int, wanted: int | str) -> bool:
@@ -144,15 +150,11 @@ def test_megatron_bridge_0_6_accepts_every_export_and_holds_its_values() -> None
     check = json.loads((ROOT / "bench" / "results" / "bridge_check" / "0.6.2.json").read_text())
     assert (check["contract"]["megatron_bridge"], check["contract"]["megatron_core"]) == ("0.6.2", "0.19.2")
     assert check["recipe_cuda_graph_scope"] == "full"  # the recipe sets what cuda_graph_modules cannot sit beside
+    assert_committed_check_accepts_today("Megatron-Bridge 0.6.2", "bridge", "0.19.2", check,
+                                         "re-run it on the GPU machine (bench/README.md) and commit "
+                                         "bench/results/bridge_check/")
     verdicts = {result["key"]: result for result in check["results"]}
     cases = [case.to_plain() for case in export_cases("bridge", "0.19.2")]
-    controls = [verdicts[case.key]["error"] for case in control_cases("bridge")]
-    assert len(controls) == 2 and all(controls), controls  # the check can say no
-    unchecked = [case["key"] for case in cases if case["key"] not in verdicts]
-    assert not unchecked, (f"{len(unchecked)} of {len(cases)} exports are not in the committed check: re-run it "
-                           "on the GPU machine (bench/README.md) and commit bench/results/bridge_check/")
-    rejected = [(case["key"], verdicts[case["key"]]["error"]) for case in cases if verdicts[case["key"]]["error"]]
-    assert not rejected, f"Bridge 0.6.2 rejects {len(rejected)} exports, e.g. {rejected[0]}"
     differing = [d for case in cases for d in held_values_differing_from_written(case, verdicts[case["key"]])]
     assert not differing, differing[:5]
     assert sum("model.cuda_graph_impl=transformer_engine" in case["export"] for case in cases) > 20
