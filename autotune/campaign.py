@@ -16,12 +16,14 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from autotune._paths import BUILTIN_CAMPAIGNS_DIR
-from autotune.core.contract import Accelerator, BurstRequest, DataRealism, DataSpec, StackCapabilities, TrainableSupport
+from autotune.core.contract import (
+    Accelerator, BurstRequest, DataRealism, DataSpec, RecipeSpec, StackCapabilities, TrainableSupport,
+)
 from autotune.core.errors import InputFileError
 from autotune.core.knobs import FREEZE_KNOBS_BY_PART, KNOBS, Config
 from autotune.core.model import ModelSpec
 from autotune.core.steady import MIN_WINDOW
-from autotune.resolve import resolve_model, resolve_trainable
+from autotune.resolve import resolve_checkpoint_model, resolve_model, resolve_trainable
 from autotune.rules import RuleContext
 from autotune.search import SamplerName
 from autotune.space import SearchSpace, WarmStart, load_space, resolve_space_path
@@ -36,8 +38,51 @@ class _Strict(BaseModel):
 
 
 class ModelSection(_Strict):
-    preset: str
+    """The model's sizes, for the rules and the memory model: a preset, or a Hugging Face checkpoint
+    directory (a ``bridge`` campaign's: the model its recipe builds), with overrides either way."""
+
+    preset: str | None = None
+    hf_checkpoint: str | None = None
+    """A Qwen-VL MoE checkpoint directory (relative to the campaign file); ``overrides.seq_length``
+    then gives the recipe's sequence length."""
     overrides: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ModelSection":
+        if (self.preset is None) == (self.hf_checkpoint is None):
+            raise ValueError("give either preset or hf_checkpoint")
+        return self
+
+
+class BridgeSection(_Strict):
+    """The user's Megatron-Bridge training, for ``trainable: bridge``: trials run this recipe with the
+    user's overrides and their own (the tuned knobs'), through Bridge's ``pretrain()``."""
+
+    recipe: str
+    """``package.module:function`` (e.g. ``megatron.bridge.recipes.qwen_vl.qwen3_vl:qwen3_vl_30b_a3b_sft_config``)
+    or ``path/to/file.py:function`` (relative to the campaign file), returning a ``ConfigContainer``."""
+    recipe_overrides: list[str] = Field(default_factory=list)
+    """The user's fixed Hydra-style overrides, as on their launch line (``dataset.path=…``)."""
+    hf_checkpoints: dict[str, str] = Field(default_factory=dict)
+    """Hub id → local checkpoint directory (relative to the campaign file): the recipe names a
+    checkpoint by hub id, the trial reads this directory offline."""
+
+    @field_validator("recipe")
+    @classmethod
+    def _module_and_function(cls, value: str) -> str:
+        target, _, function = value.rpartition(":")
+        if not target or not function.isidentifier():
+            raise ValueError("expected 'package.module:function' or 'path/to/file.py:function'")
+        return value
+
+    @field_validator("recipe_overrides")
+    @classmethod
+    def _assignments(cls, value: list[str]) -> list[str]:
+        for override in value:
+            key, equals, _ = override.partition("=")
+            if not equals or not key.strip():
+                raise ValueError(f"{override!r} is not a key=value override")
+        return value
 
 
 class DataSection(_Strict):
@@ -204,6 +249,8 @@ class CampaignFile(_Strict):
     trainable: str
     space: str
     model: ModelSection
+    bridge: BridgeSection | None = None
+    """Required with ``trainable: bridge``, and only then."""
     data: DataSection = Field(default_factory=DataSection)
     workload: WorkloadSection = Field(default_factory=WorkloadSection)
     hardware: HardwareSection
@@ -214,6 +261,15 @@ class CampaignFile(_Strict):
     workflow: WorkflowSection | None = None
     objective: Objective = "useful_tokens_per_s_per_gpu"
     output_dir: str
+
+    @model_validator(mode="after")
+    def _bridge_recipe_with_bridge(self) -> "CampaignFile":
+        if (self.trainable == "bridge") != (self.bridge is not None):
+            raise ValueError("trainable 'bridge' needs a bridge section (its recipe), and only it takes one")
+        if self.bridge is not None and self.data.source != "shards":
+            raise ValueError("trainable 'bridge' reads an Energon dataset: data: {source: shards, path: DIR} "
+                             "(autotune data build --energon DIR writes one from the built-in photos)")
+        return self
 
 
 GIB = 2**30
@@ -264,6 +320,19 @@ class Campaign:
         hardware = self.spec.hardware
         return hardware.gpus_per_node * hardware.nodes // hardware.gpus_per_trial
 
+    @property
+    def recipe(self) -> RecipeSpec | None:
+        """The ``bridge`` trainable's recipe, its paths resolved from the campaign file's folder, with
+        the knobs the campaign tunes (the only ones its trials override)."""
+        bridge = self.spec.bridge
+        if bridge is None:
+            return None
+        return RecipeSpec(
+            recipe=_recipe_reference(bridge.recipe, self.path.parent), overrides=tuple(bridge.recipe_overrides),
+            tuned=tuple(self.tuned_knobs),
+            hf_checkpoints=tuple((hub_id, str((self.path.parent / folder).resolve()))
+                                 for hub_id, folder in bridge.hf_checkpoints.items()))
+
     def frozen_beyond_workload(self, config: Config) -> list[str]:
         """The parts ``config`` freezes that the user's training trains (only a campaign with
         ``tunable_freezing`` has such configs): pasting a winner that freezes any of them changes
@@ -291,7 +360,29 @@ class Campaign:
             cpu_memory_cap_bytes=None if hardware.cpu_memory_cap_gib is None else int(hardware.cpu_memory_cap_gib * GIB),
             replay_table=None if self.replay_table is None else str(self.replay_table),
             global_batch_size=spec.workload.global_batch_size,
+            recipe=self.recipe,
         )
+
+
+def _recipe_reference(reference: str, base: Path) -> str:
+    """A file recipe's path made absolute (trials run elsewhere); a module reference as written."""
+    target, _, function = reference.rpartition(":")
+    return f"{(base / target).resolve()}:{function}" if target.endswith(".py") else reference
+
+
+def _check_bridge_paths(path: Path, spec: CampaignFile) -> None:
+    bridge = spec.bridge
+    assert bridge is not None and spec.data.path is not None
+    if not (path.parent / spec.data.path / ".nv-meta" / "dataset.yaml").is_file():
+        raise InputFileError(path, "data.path", f"{path.parent / spec.data.path} is not an Energon dataset (no "
+                             ".nv-meta/dataset.yaml); autotune data build --energon DIR writes one")
+    target = bridge.recipe.rpartition(":")[0]
+    if target.endswith(".py") and not (path.parent / target).is_file():
+        raise InputFileError(path, "bridge.recipe", f"no recipe file at {path.parent / target}")
+    for hub_id, folder in bridge.hf_checkpoints.items():
+        if not (path.parent / folder / "config.json").is_file():
+            raise InputFileError(path, f"bridge.hf_checkpoints.{hub_id}",
+                                 f"{path.parent / folder} is not a checkpoint directory (no config.json)")
 
 
 def builtin_campaign_path(name: str) -> Path:
@@ -305,7 +396,13 @@ def load_campaign(path: Path, workload: WorkloadSection | None = None) -> Campai
     if workload is not None:
         spec = spec.model_copy(update={"workload": workload})
     trainable = resolve_trainable(path, "trainable", spec.trainable)
-    model = resolve_model(path, "model.preset", spec.model.preset, "model.overrides", spec.model.overrides)
+    if spec.bridge is not None:
+        _check_bridge_paths(path, spec)
+    if spec.model.preset is not None:
+        model = resolve_model(path, "model.preset", spec.model.preset, "model.overrides", spec.model.overrides)
+    else:
+        model = resolve_checkpoint_model(path, "model.hf_checkpoint", spec.model.hf_checkpoint, "model.overrides",
+                                         spec.model.overrides)
     space_path = resolve_space_path(spec.space, path.parent)
     if not space_path.is_file():
         raise InputFileError(path, "space", f"no space file at {space_path}")

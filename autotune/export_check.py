@@ -20,7 +20,8 @@ from typing import Any, Iterator
 
 from autotune.core.knobs import KNOBS, Config
 from autotune.core.model import ModelSpec
-from autotune.export import ExportRefused, Format, bridge_overrides, megatron_lm_args
+from autotune.core.tool_flags import ExportRefused, bridge_overrides, megatron_lm_args
+from autotune.export import Format
 from autotune.rules import RuleContext
 from autotune.space import SearchSpace, load_space, target_context
 from autotune.survey import survey_space
@@ -100,9 +101,13 @@ def bridge_workload_overrides(space: SearchSpace, world_size: int) -> list[str]:
 
 def accepted_configs(spaces_dir: Path = SPACES_DIR) -> Iterator[tuple[SearchSpace, RuleContext, list[Config]]]:
     """Each shipped space, its target's rule context, and the configs the rules accept there: the
-    configs a campaign on it can make a winner."""
+    configs a campaign on it can make a winner. Spaces for the ``bridge`` trainable are left out:
+    their winner's export is the overrides its trial ran, which the user's own Megatron-Bridge
+    validated before the trial launched (``trainables/bridge/recipe.py``)."""
     for path in sorted(spaces_dir.glob("*.yaml")):
         space = load_space(path)
+        if space.target.trainable == "bridge":
+            continue
         context = target_context(space)
         yield space, context, survey_space(space, context).accepted
 

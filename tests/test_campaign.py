@@ -15,10 +15,31 @@ SHIPPED = sorted(Path("campaigns").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
-def test_shipped_campaign_loads(path: Path) -> None:
-    campaign = load_campaign(path)
+def test_shipped_campaign_loads(path: Path, tmp_path: Path) -> None:
+    campaign = load_campaign(_with_its_inputs_made(path, tmp_path))
     assert campaign.space.path.exists()
     assert campaign.rule_context.world_size == campaign.spec.hardware.gpus_per_trial
+
+
+def _with_its_inputs_made(path: Path, folder: Path) -> Path:
+    """A ``bridge`` campaign reads a checkpoint directory and an Energon dataset that its user makes
+    first (its comments say how): made here in ``folder``, with a copy of the campaign pointing at
+    them; any other campaign as shipped."""
+    data = yaml.safe_load(path.read_text())
+    if data["trainable"] != "bridge":
+        return path
+    from trainables.bridge.energon import build_chatml_energon
+    from trainables.bridge.hf_proxy import write_qwen3_vl_moe_proxy
+
+    checkpoint = write_qwen3_vl_moe_proxy(folder / "hf-proxy")
+    energon = build_chatml_energon(folder / "energon", samples_per_photo=1, samples_per_shard=8).folder
+    target, _, function = data["bridge"]["recipe"].rpartition(":")
+    data["bridge"]["recipe"] = f"{(path.parent / target).resolve()}:{function}"
+    data["bridge"]["hf_checkpoints"] = {hub_id: str(checkpoint) for hub_id in data["bridge"]["hf_checkpoints"]}
+    data["model"]["hf_checkpoint"], data["data"]["path"] = str(checkpoint), str(energon)
+    copy = folder / path.name
+    copy.write_text(yaml.safe_dump(data))
+    return copy
 
 
 def test_builtin_demo_is_the_cpu_native_campaign() -> None:
@@ -109,8 +130,8 @@ FREEZE_KNOBS = ("freeze_vision_model", "freeze_vision_projection")
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
-def test_where_the_workload_freezes_nothing_no_config_freezes_anything(path: Path) -> None:
-    campaign = load_campaign(path)
+def test_where_the_workload_freezes_nothing_no_config_freezes_anything(path: Path, tmp_path: Path) -> None:
+    campaign = load_campaign(_with_its_inputs_made(path, tmp_path))
     assert not campaign.spec.workload.frozen and not campaign.spec.workload.tunable_freezing
     configs = [*campaign.space.configs(), *(start.config for start in campaign.space.warm_starts)]
     assert configs and not any(config[knob] for config in configs for knob in FREEZE_KNOBS)

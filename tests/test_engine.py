@@ -21,9 +21,8 @@ from autotune.core.steady import SteadyEstimate
 from autotune.engine.promotion import decide, gain_at_equal_fidelity, projected_headroom, promotion_candidates
 from autotune.engine.records import TrialEntry
 from autotune.engine.rundir import RunDir
-from autotune.export import (
-    BRIDGE_COMPANION_KEYS, FORMATS, load_document, read_bridge_overrides, read_megatron_lm_args, render,
-)
+from autotune.core.tool_flags import BRIDGE_COMPANION_KEYS, read_bridge_overrides, read_megatron_lm_args
+from autotune.export import FORMATS, load_document, render
 from conftest import (
     NEXT_SPACE, OOM_CAP_GIB, OOM_SPACE, REPLAY_SPACE, SPACE, TEST_MODEL, autotune, campaign_file, entries,
     only_run_dir,

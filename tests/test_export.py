@@ -15,10 +15,11 @@ import pytest
 import yaml
 
 from autotune.core.knobs import KNOBS, complete_config
-from autotune.export import (
-    BRIDGE_COMPANION_KEYS, BRIDGE_PRECISION_PRESET, FORMATS, ExportRefused, bridge_overrides, header, load_document,
-    megatron_lm_args, read_bridge_overrides, read_megatron_lm_args, render,
+from autotune.core.tool_flags import (
+    BRIDGE_COMPANION_KEYS, BRIDGE_PRECISION_PRESET, ExportRefused, bridge_overrides, megatron_lm_args,
+    read_bridge_overrides, read_megatron_lm_args,
 )
+from autotune.export import FORMATS, header, load_document, render
 from autotune.space import load_space
 
 SPACES = sorted(Path("search_spaces").glob("*.yaml"))
@@ -238,3 +239,18 @@ def test_a_target_release_picks_the_format_and_the_spelling(tmp_path: Path) -> N
     assert old_mlm.stdout.startswith("# Megatron-LM flags for megatron-core 0.17.1")
     wrong = export("--target", "bridge-0.4")
     assert wrong.returncode == 2 and "bridge-0.3" in wrong.stderr
+
+
+def test_a_bridge_winner_exports_the_overrides_its_trial_applied_to_the_users_recipe() -> None:
+    config = complete_config({"micro_batch_size": 4})
+    ran = ["train.micro_batch_size=4", "model.freeze_language_model=false", "dataset.micro_batch_size=4",
+           "train.global_batch_size=8"]
+    extra = {"tuned": ["micro_batch_size"], "workload": {"global_batch_size": 8},
+             "contract": {"recipe": "recipes/qwen3_vl_energon.py:qwen3_vl_30b_a3b_sft_energon_config",
+                          "recipe_overrides": ran, "versions": {"megatron_core": "0.19.2"}}}
+    assert shlex.split(render(config, "bridge", "0.19.2", extra)) == ran
+    respelled = shlex.split(render(config, "bridge", "0.16.1", extra))
+    assert "dataset.micro_batch_size=4" not in respelled and read_bridge_overrides(respelled) == config
+    lines = header(config, "bridge", "0.19.2", extra)
+    assert any("append to your launch of recipes/qwen3_vl_energon.py" in line and "as the winning trial" in line
+               for line in lines)

@@ -26,7 +26,7 @@ import pytest
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from autotune.core.knobs import complete_config
-from autotune.export import ExportRefused, megatron_lm_args
+from autotune.core.tool_flags import ExportRefused, megatron_lm_args
 from autotune.export_check import accepted_configs, control_cases, export_cases
 from trainables.bridge.hf_proxy import ProxyShape, train_tokenizer
 

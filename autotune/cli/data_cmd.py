@@ -17,8 +17,13 @@ def build(
     samples_per_photo: int = typer.Option(16, min=1, help="Random crops per source photograph."),
     samples_per_shard: int = typer.Option(64, min=1),
     seed: int = typer.Option(0),
+    energon: bool = typer.Option(False, "--energon", help="Write a Megatron-Energon dataset in the ChatML form "
+                                 "Megatron-Bridge's Qwen-VL recipes read (point dataset.path at it)."),
 ) -> None:
     """Shards of real photographs (shipped in scikit-image and scikit-learn) with our captions."""
+    if energon:
+        _build_energon(out_dir, samples_per_photo, samples_per_shard, seed)
+        return
     from trainables.data.shards import build_photo_shards
 
     report = build_photo_shards(out_dir, samples_per_photo, samples_per_shard, seed)
@@ -29,13 +34,32 @@ def build(
     )
 
 
+def _build_energon(out_dir: Path, samples_per_photo: int, samples_per_shard: int, seed: int) -> None:
+    try:
+        from trainables.bridge.energon import build_chatml_energon
+
+        report = build_chatml_energon(out_dir, samples_per_photo, samples_per_shard, seed)
+    except ImportError as exc:  # megatron-energon is the bridge extra's
+        console.print(f"autotune data build --energon needs megatron-energon ({exc}): pip install -e '.[bridge]'",
+                      style="red", markup=False)
+        raise typer.Exit(2) from exc
+    console.print(f"{report.samples} ChatML samples under {report.folder}: {report.train_shards} train shards, "
+                  f"{report.val_shards} validation; Energon-prepared for Megatron-Bridge "
+                  f"(dataset.path={report.folder})", markup=False)
+
+
 @app.command("hf-proxy")
-def hf_proxy(out_dir: Path = typer.Argument(..., help="Folder to write the checkpoint directory into.")) -> None:
+def hf_proxy(
+    out_dir: Path = typer.Argument(..., help="Folder to write the checkpoint directory into."),
+    shape_name: str = typer.Option("tiny", "--shape", help="tiny (CPU tests) or h200 (one-GPU campaigns)."),
+) -> None:
     """A small Qwen3-VL-MoE checkpoint directory (config, BPE tokenizer, image processor), made offline,
     that Megatron-Bridge's AutoBridge reads as it reads a user's."""
-    from trainables.bridge.hf_proxy import ProxyShape, write_qwen3_vl_moe_proxy
+    from trainables.bridge.hf_proxy import PROXY_SHAPES, write_qwen3_vl_moe_proxy
 
-    shape = ProxyShape()
+    if shape_name not in PROXY_SHAPES:
+        raise typer.BadParameter(f"expected one of {', '.join(PROXY_SHAPES)}, got {shape_name!r}", param_hint="--shape")
+    shape = PROXY_SHAPES[shape_name]
     try:
         folder = write_qwen3_vl_moe_proxy(out_dir, shape)
     except ImportError as exc:  # transformers (and its tokenizers) are the bridge extra's

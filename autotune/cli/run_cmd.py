@@ -16,7 +16,8 @@ from autotune.campaign import Campaign, builtin_campaign_path, freezing_warning,
 from autotune.cli import console
 from autotune.core.errors import InputFileError
 from autotune.engine.rundir import REPORT_FILE, WINNER_FILE, create_run_dir, open_run_dir
-from autotune.export import ExportRefused, render
+from autotune.core.tool_flags import ExportRefused
+from autotune.export import render
 from autotune.report.analysis import load_report
 from autotune.survey import survey_space
 

@@ -126,6 +126,22 @@ class DataSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class RecipeSpec:
+    """The user's Megatron-Bridge training, which a ``bridge`` trial runs as they launch it: their
+    recipe, their fixed overrides, and where the checkpoints it names live on this machine."""
+
+    recipe: str
+    """``package.module:function`` or ``path/to/file.py:function``, returning a ``ConfigContainer``."""
+    overrides: tuple[str, ...] = ()
+    """The user's own Hydra-style overrides (``dataset.path=…``), applied before the trial's."""
+    tuned: tuple[str, ...] = ()
+    """The knobs the campaign tunes: the only ones a trial overrides; the recipe keeps the rest."""
+    hf_checkpoints: tuple[tuple[str, str], ...] = ()
+    """``(hub id, local directory)``: the recipe names a checkpoint by hub id and it is read from the
+    directory, offline (a Hugging Face cache is laid out for it)."""
+
+
+@dataclass(frozen=True, slots=True)
 class StepRecord:
     """One training step, summed over the trial's ranks (times: the slowest rank)."""
 
@@ -240,6 +256,11 @@ class Contract(_Record):
     """A replay's recorded contract, as the table holds it."""
     workers: tuple[WorkerPlacement, ...] | None = None
     """Where each rank ran (Ray Train worker groups)."""
+    recipe: str | None = None
+    """The Megatron-Bridge recipe a ``bridge`` burst ran."""
+    recipe_overrides: tuple[str, ...] | None = None
+    """Every override the ``bridge`` burst applied to the recipe, the user's first: its config is
+    the recipe with exactly these."""
     steady_window: SteadyWindow | None = None
 
     def to_json(self) -> dict[str, Any]:
@@ -297,6 +318,8 @@ class BurstRequest:
     Capped ranks run in fresh processes, whose heaps hold no freed memory to reuse uncounted."""
     replay_table: str | None = None
     """The replay trainable's recorded table (``autotune/core/tables.py``); other trainables ignore it."""
+    recipe: RecipeSpec | None = None
+    """The ``bridge`` trainable's recipe; other trainables ignore it."""
     global_batch_size: int | None = None
     """Samples per optimizer step over all replicas, as the user's recipe fixes it: each replica
     accumulates GBS / (MBS × DP) micro-batches per step. ``None``: one micro-batch per pipeline

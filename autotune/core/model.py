@@ -6,6 +6,8 @@ dropouts for the CUDA-graph rules). Campaigns pick a preset by name and may over
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -193,6 +195,54 @@ def model_preset(name: str, overrides: dict[str, Any] | None = None) -> ModelSpe
     if not overrides:
         return base
     return ModelSpec.model_validate(_deep_merge(base.model_dump(), overrides))
+
+
+def hf_checkpoint_model(directory: Path, overrides: dict[str, Any]) -> ModelSpec:
+    """The sizes of a Qwen-VL MoE checkpoint directory (``config.json``'s text and vision configs, the
+    image processor's pixel bounds, in transformers 4's or 5's spelling), as the rules and the memory
+    model read a preset, with
+    ``overrides`` applied. The training sequence length is the recipe's, not the checkpoint's: it
+    comes from ``overrides`` (``seq_length``).
+
+    Raises:
+        AutotuneError: the directory, a file or a field is missing (named).
+    """
+    config_path, processor_path = directory / "config.json", directory / "preprocessor_config.json"
+    for path in (config_path, processor_path):
+        if not path.is_file():
+            raise AutotuneError(f"{path} does not exist: a Hugging Face checkpoint directory has it")
+    config, processor = json.loads(config_path.read_text()), json.loads(processor_path.read_text())
+    if "seq_length" not in overrides:
+        raise AutotuneError("seq_length: the recipe's training sequence length (the checkpoint does not say it)")
+    try:
+        text, vision = config["text_config"], config["vision_config"]
+        base = {
+            "name": directory.name,
+            "num_layers": text["num_hidden_layers"], "hidden_size": text["hidden_size"],
+            "ffn_hidden_size": text["intermediate_size"], "num_attention_heads": text["num_attention_heads"],
+            "num_query_groups": text["num_key_value_heads"], "kv_channels": text.get("head_dim"),
+            "vocab_size": text["vocab_size"], "num_moe_experts": _first(text, "num_experts", "num_local_experts"),
+            "moe_router_topk": text["num_experts_per_tok"], "moe_ffn_hidden_size": text["moe_intermediate_size"],
+            "first_k_dense_layers": len(text.get("mlp_only_layers") or []),
+            "vision": {"num_layers": vision["depth"], "hidden_size": vision["hidden_size"],
+                       "ffn_hidden_size": vision["intermediate_size"], "num_attention_heads": vision["num_heads"],
+                       "patch_size": vision["patch_size"], "spatial_merge_size": vision["spatial_merge_size"]},
+            "images": {"min_pixels": processor.get("min_pixels") or processor["size"]["shortest_edge"],
+                       "max_pixels": processor.get("max_pixels") or processor["size"]["longest_edge"]},
+        }
+    except KeyError as exc:
+        raise AutotuneError(f"{exc.args[0]}: missing from {config_path} or {processor_path} (a Qwen-VL MoE "
+                            "checkpoint has it)") from None
+    return ModelSpec.model_validate(_deep_merge(base, overrides))
+
+
+def _first(section: dict[str, Any], *names: str) -> Any:
+    """The value under the first of ``names`` present (transformers renamed some fields: Qwen's
+    checkpoints say ``num_experts``, transformers 5 writes ``num_local_experts``)."""
+    for name in names:
+        if name in section:
+            return section[name]
+    raise KeyError(names[0])
 
 
 def _deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:

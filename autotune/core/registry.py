@@ -33,6 +33,7 @@ class TrainableEntry:
 TRAINABLES: dict[str, TrainableEntry] = {
     "native": TrainableEntry("trainables.native.capabilities:SUPPORT", "trainables.native.burst:run_rank"),
     "megatron": TrainableEntry("trainables.megatron.capabilities:SUPPORT", "trainables.megatron.burst:run_rank"),
+    "bridge": TrainableEntry("trainables.bridge.capabilities:SUPPORT", "trainables.bridge.burst:run_rank"),
     REPLAY: TrainableEntry(None, "trainables.replay.burst:run_replay_rank"),
 }
 

@@ -66,6 +66,16 @@ class ProxyShape:
     max_pixels: int = 448 * 448
 
 
+PROXY_SHAPES = {
+    "tiny": ProxyShape(),
+    # The megatron trainable's h200_small_moe_vlm sizes: enough work per step for one H200 to be
+    # measured rather than the host (the tiny shape reaches 0.6 model TFLOP/s there).
+    "h200": ProxyShape(decoder_layers=16, hidden_size=1024, attention_heads=16, kv_heads=4, experts=16,
+                       expert_ffn_size=1024, vision_layers=12, vision_hidden_size=768, vision_heads=12),
+}
+"""Named sizes: ``tiny`` for the CPU tests, ``h200`` for one-GPU campaigns."""
+
+
 def _texts() -> Iterator[str]:
     for photo in PHOTOS:
         yield from photo.captions

@@ -98,14 +98,20 @@ def _crop_sample(pixels: np.ndarray, rng: random.Random) -> tuple[bytes, dict]:
 
 
 def _write_shard(path: Path, samples: list[tuple[str, bytes, dict]]) -> None:
+    write_tar(path, [member for key, jpeg, meta in samples
+                     for member in ((f"{key}.jpg", jpeg), (f"{key}.json", json.dumps(meta).encode()))])
+
+
+def write_tar(path: Path, members: list[tuple[str, bytes]]) -> None:
+    """A tar of ``(name, payload)`` members in order, written beside ``path`` and moved into place, so
+    a reader never sees half a shard."""
     partial = path.with_suffix(".tar.partial")
     with tarfile.open(partial, "w") as tar:
-        for key, jpeg, meta in samples:
-            for name, payload in ((f"{key}.jpg", jpeg), (f"{key}.json", json.dumps(meta).encode())):
-                info = tarfile.TarInfo(name)
-                info.size = len(payload)
-                info.mtime = 0
-                tar.addfile(info, io.BytesIO(payload))
+        for name, payload in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(payload)
+            info.mtime = 0
+            tar.addfile(info, io.BytesIO(payload))
     os.replace(partial, path)
 
 
