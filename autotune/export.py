@@ -64,7 +64,8 @@ def trial_overrides(extra: dict[str, Any] | None, megatron_core_version: str | N
 
 def render(config: Config, fmt: Format, megatron_core_version: str | None, extra: dict[str, Any] | None = None,
            every_knob: bool = False) -> str:
-    """``config`` in ``fmt``. The flag formats write the knobs ``extra["tuned"]`` names (every
+    """``config`` in ``fmt``. A ``bridge`` winner's Bridge export is its trial's overrides, as they ran
+    (:func:`trial_overrides`). Otherwise the flag formats write the knobs ``extra["tuned"]`` names (every
     active knob with ``every_knob`` or when it names none) and the workload's global batch when
     ``extra`` holds one (a tuned MBS holds only under the global batch it was measured at). Raises
     :class:`~autotune.core.tool_flags.ExportRefused` where the target tool cannot take the config."""

@@ -83,7 +83,10 @@ def stage_offline_checkpoints(checkpoints: tuple[tuple[str, str], ...], cache: P
 
 def go_offline(spec: RecipeSpec, cache: Path) -> None:
     """Stage the recipe's checkpoints and point Hugging Face at them, offline. Call before anything
-    imports ``huggingface_hub``, which reads these variables once, at import."""
+    imports ``huggingface_hub``, which reads these variables once, at import. A campaign that names
+    no local checkpoint changes nothing (its recipe reads the Hub as the user's launch does)."""
+    if not spec.hf_checkpoints:
+        return
     if "huggingface_hub" in sys.modules:
         raise RuntimeError("huggingface_hub was imported before the offline checkpoints were staged: it would "
                            "not read HF_HUB_OFFLINE and HF_HUB_CACHE")
