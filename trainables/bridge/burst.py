@@ -108,6 +108,8 @@ class BridgeRun:
     precision: str
     """The recipe's precision as it names it (a preset, before ``pretrain()`` resolves it)."""
     clock: StageClock | None = None
+    stopped: bool = False
+    """The tuner said stop, and the callback ended Bridge's loop."""
     step_started: float = 0.0
 
     def evidence(self) -> Evidence:
@@ -233,6 +235,7 @@ def _make_callback(run: BridgeRun, reporter: Reporter | None, records: list[Step
             record, stop = finish_step(run, len(records), local, reporter)
             records.append(record)
             if stop:
+                run.stopped = True
                 context.state.cfg.train.train_iters = context.state.train_state.step
 
     return StepRecorder()
@@ -290,8 +293,14 @@ def run_rank(request: BurstRequest, device: torch.device, reporter: Reporter | N
                         world_size=torch.distributed.get_world_size(), recipe=recipe, trial_overrides=trial,
                         counter=counter, counts_data=False, computes_loss=False, precision=_precision(recipe))
         pretrain(recipe, _counting_forward_step(counter), callbacks=[_make_callback(run, reporter, records)])
-        outcome = "pruned" if records and len(records) < request.steps else "ok"
-        return BurstResult(outcome=outcome, records=tuple(records), contract=run.contract(), evidence=run.evidence())
+        if run.stopped:
+            return BurstResult(outcome="pruned", records=tuple(records), contract=run.contract(),
+                               evidence=run.evidence())
+        if len(records) < request.steps:  # Bridge's loop ended early by itself (its exit conditions)
+            return BurstResult(outcome="failed", records=tuple(records), contract=run.contract(),
+                               error=f"Megatron-Bridge's training loop ended after {len(records)} of "
+                                     f"{request.steps} steps without being told to stop")
+        return BurstResult(outcome="ok", records=tuple(records), contract=run.contract(), evidence=run.evidence())
     except InvalidConfig as exc:
         return BurstResult(outcome="invalid", error=str(exc))
     except RecipeRefused as exc:
