@@ -333,6 +333,24 @@ class Campaign:
             hf_checkpoints=tuple((hub_id, str((self.path.parent / folder).resolve()))
                                  for hub_id, folder in bridge.hf_checkpoints.items()))
 
+    def spec_with_absolute_paths(self) -> dict[str, Any]:
+        """The campaign file's content with every path in it (data, checkpoint directories, a recipe
+        file, earlier runs to warm-start from) made absolute, so a copy of it loads from anywhere (a
+        run directory's ``campaign.yaml``, which resume, report and export read)."""
+        base = self.path.parent
+        spec = self.spec.model_dump(mode="json", exclude_defaults=False)
+        if spec["data"]["path"] is not None:
+            spec["data"]["path"] = str((base / spec["data"]["path"]).resolve())
+        if spec["model"]["hf_checkpoint"] is not None:
+            spec["model"]["hf_checkpoint"] = str((base / spec["model"]["hf_checkpoint"]).resolve())
+        if spec["bridge"] is not None:
+            spec["bridge"]["recipe"] = _recipe_reference(spec["bridge"]["recipe"], base)
+            spec["bridge"]["hf_checkpoints"] = {hub_id: str((base / folder).resolve())
+                                                for hub_id, folder in spec["bridge"]["hf_checkpoints"].items()}
+        spec["search"]["warm_start_from"] = [str(Path(earlier).resolve())
+                                             for earlier in spec["search"]["warm_start_from"]]
+        return spec
+
     def frozen_beyond_workload(self, config: Config) -> list[str]:
         """The parts ``config`` freezes that the user's training trains (only a campaign with
         ``tunable_freezing`` has such configs): pasting a winner that freezes any of them changes

@@ -43,6 +43,7 @@ from typing import Any
 from packaging.version import Version
 
 from trainables.bridge.hf_proxy import write_qwen3_vl_moe_proxy
+from trainables.bridge.recipe import stage_offline_checkpoints
 
 TRAINING_ONLY = ("transformer_engine", "triton", "timm", "wandb", "open_clip", "mamba_ssm", "causal_conv1d", "fla",
                  "nvidia_resiliency_ext", "mlflow", "qwen_vl_utils", "datasets", "peft", "diffusers", "mistral_common",
@@ -133,18 +134,6 @@ def install() -> None:
     _installed = True
 
 
-def offline_hub_checkpoint(repo_id: str, cache: Path) -> None:
-    """Our proxy checkpoint under ``repo_id`` in a Hugging Face cache at ``cache``, for recipes that
-    name the Hub checkpoint themselves (Bridge 0.6): run with ``HF_HUB_OFFLINE=1`` and
-    ``HF_HUB_CACHE=cache``, ``from_pretrained`` finds it there, as on a cluster without internet."""
-    revision = "0" * 40
-    snapshot = cache / f"models--{repo_id.replace('/', '--')}" / "snapshots" / revision
-    snapshot.mkdir(parents=True, exist_ok=True)
-    write_qwen3_vl_moe_proxy(snapshot)
-    (snapshot.parent.parent / "refs").mkdir(exist_ok=True)
-    (snapshot.parent.parent / "refs" / "main").write_text(revision)
-
-
 def qwen3_vl_30b_a3b_recipe(directory: Path) -> Any:
     """Megatron-Bridge's Qwen3-VL-30B-A3B recipe of the installed release, on the small config:
     0.3's pretraining recipe (``hf_path`` given, mock data), 0.6's 8-GPU H100 SFT recipe (which names
@@ -158,7 +147,8 @@ def qwen3_vl_30b_a3b_recipe(directory: Path) -> Any:
         from megatron.bridge.recipes.qwen_vl.qwen3_vl import qwen3_vl_30b_a3b_pretrain_config
 
         return qwen3_vl_30b_a3b_pretrain_config(hf_path=str(write_qwen3_vl_moe_proxy(directory / "proxy")), mock=True)
-    offline_hub_checkpoint("Qwen/Qwen3-VL-30B-A3B-Instruct", Path(os.environ["HF_HUB_CACHE"]))
+    proxy = write_qwen3_vl_moe_proxy(directory / "proxy")
+    stage_offline_checkpoints((("Qwen/Qwen3-VL-30B-A3B-Instruct", str(proxy)),), Path(os.environ["HF_HUB_CACHE"]))
     from megatron.bridge.recipes.qwen_vl.h100.qwen3_vl import qwen3_vl_30b_a3b_sft_8gpu_h100_bf16_config
 
     recipe = qwen3_vl_30b_a3b_sft_8gpu_h100_bf16_config()

@@ -175,3 +175,45 @@ def test_the_forward_steps_batches_are_counted_as_useful_tokens_and_their_wait_t
     assert (counts.image_tokens, counts.loss_tokens, counts.useful_tokens, counts.samples) == (4, 7, 11, 3)
     assert wait >= 0.0 and counter.take()[0].useful_tokens == 0, "take() starts the next step from zero"
     assert counter.micro_batch_sizes == {2, 1}, "what the MBS evidence is read from"
+
+
+def _bridge_run(made: dict[str, Path], config: dict, built: object, replays: int = 0):
+    """A finished burst's run state as the callback leaves it: the model's config as built, the
+    micro-batch sizes drawn and the TE graphs counted."""
+    import torch
+
+    from autotune.core.contract import BurstRequest, DataSpec
+    from autotune.core.knobs import complete_config
+    from trainables.bridge.burst import BridgeRun, _StepCounter
+    from trainables.graph_replays import CountedGraph
+
+    config = complete_config(config)
+    request = BurstRequest(config=config, model=hf_checkpoint_model(made["checkpoint"], {"seq_length": 1024}),
+                           data=DataSpec(str(made["data"])), steps=4, world_size=1, global_batch_size=8)
+    counter = _StepCounter(image_token_id=5)
+    counter.micro_batch_sizes.add(config.micro_batch_size)
+    graph = CountedGraph(lambda: None)
+    graph.replays = replays
+    return BridgeRun(request=request, device=torch.device("cpu"), rank=0, world_size=1, recipe=None,
+                     trial_overrides=[], counter=counter, counts_data=True, computes_loss=True, precision="bf16_mixed",
+                     model_config=built, graphs=[graph] if replays else [])
+
+
+def test_the_evidence_reads_recompute_from_the_model_as_built_and_graphs_from_their_replays(made) -> None:
+    from types import SimpleNamespace
+
+    selective = {"micro_batch_size": 4, "recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
+    built = SimpleNamespace(recompute_granularity="selective", recompute_modules=["core_attn"])
+    held = _bridge_run(made, selective, built).evidence()
+    assert held.checks == {"micro_batch_size": True, "recompute_granularity": True, "recompute_modules": True,
+                           "cuda_graph_impl": True}
+    assert held.model_extra["te_graph_replays"] == 0
+
+    lost = _bridge_run(made, selective, SimpleNamespace(recompute_granularity=None, recompute_modules=None)).evidence()
+    assert lost.failed_checks() == ["recompute_granularity", "recompute_modules"], \
+        "an override that did not reach the model's layers fails"
+    graphed_anyway = _bridge_run(made, {"micro_batch_size": 2}, SimpleNamespace(recompute_granularity=None),
+                                 replays=3).evidence()
+    assert graphed_anyway.failed_checks() == ["cuda_graph_impl"], "graphs replayed under cuda_graph_impl none fail"
+    assert _bridge_run(made, {"micro_batch_size": 2}, None).evidence().checks == {"micro_batch_size": True}, \
+        "a model whose config was not seen gives no recompute or graph evidence, rather than a vacuous pass"

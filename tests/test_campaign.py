@@ -42,6 +42,35 @@ def _with_its_inputs_made(path: Path, folder: Path) -> Path:
     return copy
 
 
+def test_a_run_directory_of_a_bridge_campaign_loads_its_recipe_checkpoint_and_data_from_anywhere(
+        tmp_path: Path) -> None:
+    """The run directory's copy of the campaign is what resume, report and export load: the paths
+    the user wrote relative to their campaign file must still lead to the same files from there."""
+    import shutil
+
+    from autotune.engine.rundir import create_run_dir, open_run_dir
+
+    made = yaml.safe_load(_with_its_inputs_made(Path("campaigns/h200_bridge.yaml"), tmp_path).read_text())
+    user = tmp_path / "user" / "campaigns"
+    shutil.copytree("campaigns/recipes", user / "recipes")
+    made["bridge"]["recipe"] = "recipes/qwen3_vl_energon.py:qwen3_vl_30b_a3b_sft_energon_config"
+    made["bridge"]["hf_checkpoints"] = {hub_id: "../../hf-proxy" for hub_id in made["bridge"]["hf_checkpoints"]}
+    made["model"]["hf_checkpoint"], made["data"]["path"] = "../../hf-proxy", "../../energon"
+    made["space"] = str(Path("search_spaces/h200_bridge.yaml").resolve())
+    (user / "bridge.yaml").write_text(yaml.safe_dump(made))
+    campaign = load_campaign(user / "bridge.yaml")
+
+    copied = open_run_dir(create_run_dir(campaign, tmp_path / "runs").path).load_campaign()
+
+    assert copied.recipe == campaign.recipe
+    assert copied.recipe.recipe == f"{(user / 'recipes' / 'qwen3_vl_energon.py').resolve()}:" \
+                                   "qwen3_vl_30b_a3b_sft_energon_config"
+    assert dict(copied.recipe.hf_checkpoints) == {"Qwen/Qwen3-VL-30B-A3B-Instruct": str((tmp_path / "hf-proxy").resolve())}
+    bring_up = campaign.space.warm_starts[0].config
+    assert copied.burst_request(bring_up, 4).data == campaign.burst_request(bring_up, 4).data
+    assert copied.model == campaign.model
+
+
 def test_builtin_demo_is_the_cpu_native_campaign() -> None:
     campaign = load_campaign(builtin_campaign_path("cpu_demo"))
     assert campaign.trainable.name == "native"

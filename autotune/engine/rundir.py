@@ -136,16 +136,11 @@ def create_run_dir(campaign: Campaign, output_dir: Path | None = None) -> RunDir
     try:
         path.mkdir(parents=True)
         shutil.copyfile(campaign.space.path, path / SPACE_FILE)
-        spec = campaign.spec.model_dump(mode="json", exclude_defaults=False)
+        spec = campaign.spec_with_absolute_paths()
         spec["space"] = SPACE_FILE
         if campaign.next_space is not None:
             shutil.copyfile(campaign.next_space.path, path / THEN_SPACE_FILE)
             spec["workflow"]["then_space"] = THEN_SPACE_FILE
-        if spec["data"]["path"] is not None:
-            spec["data"]["path"] = str((campaign.path.parent / spec["data"]["path"]).resolve())
-        spec["search"]["warm_start_from"] = [
-            str(Path(earlier).resolve()) for earlier in spec["search"]["warm_start_from"]
-        ]
         (path / CAMPAIGN_FILE).write_text(
             f"# {campaign.path.resolve()} as it ran on {stamp}\n" + yaml.safe_dump(spec, sort_keys=False),
             encoding="utf-8",

@@ -2,8 +2,10 @@
 Bridge's own ``pretrain()`` and VLM forward step for the burst's steps.
 
 A Bridge ``Callback`` turns each training step into our :class:`StepRecord`
-(:func:`trainables.steps.finish_step`, as for every trainable): the step's wall time between
-Bridge's ``on_train_step_start`` and ``on_train_step_end`` (device synchronised), the time spent
+(:func:`trainables.steps.finish_step`, as for every trainable): the step's wall time from the end of
+the previous step to this one's ``on_train_step_end`` (device synchronised), which is the iteration
+as Bridge's own "elapsed time per iteration" counts it and the user's run pays it (its loop's
+bookkeeping between steps and the CUDA-graph capture included), the time spent
 waiting on the data iterator, the vision encoder's device time (CUDA events on the model's
 ``vision_model``, where it has one; Qwen3-VL's projector, its ``merger``, is inside it and not split), the
 useful tokens of the batches the forward step drew (loss-bearing tokens plus the image tokens the
@@ -33,13 +35,16 @@ from autotune.core.contract import (
     StepRecord,
 )
 from trainables.bridge.recipe import RecipeRefused, go_offline, prepare
+from trainables.graph_replays import CountedGraph, count_graphs_of
 from trainables.stage_clock import StageClock
 from trainables.steps import LocalMeasures, StepCounts, finish_step, peak_memory_bytes
 
 log = logging.getLogger(__name__)
 
-TIMING = ("step: wall clock between Megatron-Bridge's on_train_step_start and on_train_step_end callbacks, the "
-          "device synchronised at both; vision: CUDA events on the model's vision_model, forward and backward, its "
+TIMING = ("step: wall clock from the end of the previous step's on_train_step_end callback (the first step: its "
+          "on_train_step_start) to this step's on_train_step_end, the device synchronised at each: the iteration as "
+          "Megatron-Bridge's 'elapsed time per iteration' counts it, its loop's work between steps (logging, CUDA-graph "
+          "capture) included, the callback's own not; vision: CUDA events on the model's vision_model, forward and backward, its "
           "merger (the projector) included: Qwen3-VL's merger is part of its vision model, so the projector is not "
           "split")
 FLOPS_CONVENTION = ("Megatron-Bridge's num_floating_point_operations over the step's global batch, with the "
@@ -110,15 +115,47 @@ class BridgeRun:
     clock: StageClock | None = None
     stopped: bool = False
     """The tuner said stop, and the callback ended Bridge's loop."""
-    step_started: float = 0.0
+    last_step_end: float = 0.0
+    """When the previous step ended, after this callback's own work (before the first: when it
+    started), device synchronised."""
+    model_config: Any = None
+    """The built model's ``TransformerConfig``, as the layers read it (set when training starts)."""
+    layers: list[Any] = field(default_factory=list)
+    """Every module of the model that can hold per-layer CUDA graphs (``cuda_graphs``)."""
+    graphs: list[CountedGraph] = field(default_factory=list)
+    """The TE graphs Bridge's loop captured, counting their replays."""
 
     def evidence(self) -> Evidence:
-        """What the batches showed: every micro-batch held the config's MBS (where this rank draws data)."""
+        """What the run showed of its knobs; each check fails when the knob is set and did nothing as
+        well as when something happened that the config does not ask for:
+        the micro-batch sizes the batches had (where this rank draws data); the recompute settings
+        of the model as built (what its layers read: an override that did not reach them fails); TE
+        graphs captured and replayed, of the modules the config scopes."""
+        config, built = self.request.config, self.model_config
+        checks: dict[str, bool] = {}
+        observed: dict[str, Any] = {}
         sizes = self.counter.micro_batch_sizes
-        if not sizes:
-            return Evidence()
-        return Evidence(checks={"micro_batch_size": sizes == {self.request.config.micro_batch_size}},
-                        micro_batch_sizes=sorted(sizes))
+        if sizes:
+            checks["micro_batch_size"] = sizes == {config.micro_batch_size}
+            observed["micro_batch_sizes"] = sorted(sizes)
+        if built is not None:
+            granularity = getattr(built, "recompute_granularity", None) or "none"
+            modules = sorted(getattr(built, "recompute_modules", None) or [])
+            observed |= {"model_recompute_granularity": granularity, "model_recompute_modules": modules}
+            checks["recompute_granularity"] = granularity == config.recompute_granularity
+            if config.recompute_granularity == "selective":
+                checks["recompute_modules"] = modules == sorted(config.recompute_modules or [])
+            replays = sum(graph.replays for graph in self.graphs)
+            observed |= {"te_graphs_captured": len(self.graphs), "te_graph_replays": replays}
+            if config.cuda_graph_impl in ("none", "transformer_engine"):
+                checks["cuda_graph_impl"] = (replays > 0) == (config.cuda_graph_impl == "transformer_engine")
+            if config.cuda_graph_impl == "transformer_engine":
+                from megatron.bridge.utils.cuda_graph import cuda_graph_module_names
+
+                scoped = sorted(cuda_graph_module_names(built))
+                observed["model_cuda_graph_modules"] = scoped
+                checks["cuda_graph_scope"] = replays > 0 and scoped == sorted(config.cuda_graph_scope or [])
+        return Evidence(checks=checks, **observed)
 
     def contract(self) -> Contract:
         import megatron.bridge
@@ -184,12 +221,16 @@ def _te_version() -> str | None:
         return None
 
 
+def _unwrapped(module: Any) -> Any:
+    """The model inside its DDP / FSDP / Float16Module wrappers."""
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
 def _stage_clock(model_chunks: list[Any]) -> StageClock | None:
     """CUDA events on the vision encoder (its patch embedding to its merger), where the model has one."""
-    module = model_chunks[0]
-    while hasattr(module, "module"):  # DDP / FSDP / Float16Module wrappers
-        module = module.module
-    vision = getattr(module, "vision_model", None)
+    vision = getattr(_unwrapped(model_chunks[0]), "vision_model", None)
     first = getattr(vision, "patch_embed", None)
     return None if vision is None or first is None else StageClock({"vision": (vision, first)}, cuda=True)
 
@@ -209,14 +250,20 @@ def _make_callback(run: BridgeRun, reporter: Reporter | None, records: list[Step
                 and parallel_state.get_context_parallel_rank() == 0
             run.computes_loss = tensor_rank == 0 and parallel_state.is_pipeline_last_stage()
             run.clock = _stage_clock(context.model)
+            run.model_config = getattr(_unwrapped(context.model[0]), "config", None)
+            run.layers = [module for chunk in context.model for module in chunk.modules()
+                          if hasattr(module, "cuda_graphs")]
 
         def on_train_step_start(self, context: Any) -> None:
-            torch.cuda.synchronize(run.device)
-            run.step_started = time.perf_counter()
+            # Bridge's loop captures its TE graphs just before this callback: count them from here on.
+            run.graphs.extend(count_graphs_of(run.layers))
+            if not records:
+                torch.cuda.synchronize(run.device)
+                run.last_step_end = time.perf_counter()
 
         def on_train_step_end(self, context: Any) -> None:
             torch.cuda.synchronize(run.device)
-            seconds = time.perf_counter() - run.step_started
+            seconds = time.perf_counter() - run.last_step_end
             stages = run.clock.collect() if run.clock is not None else {}
             counts, wait = run.counter.take()
             flops = _step_flops(context.state)
@@ -237,6 +284,7 @@ def _make_callback(run: BridgeRun, reporter: Reporter | None, records: list[Step
             if stop:
                 run.stopped = True
                 context.state.cfg.train.train_iters = context.state.train_state.step
+            run.last_step_end = time.perf_counter()  # this callback's own work is not the next step's
 
     return StepRecorder()
 

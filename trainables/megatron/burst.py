@@ -32,6 +32,7 @@ from autotune.core.contract import (
 )
 from autotune.core.knobs import Config
 from trainables.data.loader import MicroBatch, rank_loader
+from trainables.graph_replays import CountedGraph, count_graphs_of
 from trainables.measurement import measurement_contract
 from trainables.probe import transformer_engine_status
 from trainables.stage_clock import StageClock
@@ -41,22 +42,6 @@ from trainables.steps import LocalMeasures, StepCounts, count_batches, finish_st
 OOM_ERRORS = (torch.OutOfMemoryError,)
 SEED = 1234
 log = logging.getLogger(__name__)
-
-
-class _CountedGraph:
-    """A graphed callable that counts its replays (TE's graphed callables keep no count);
-    ``reset`` and ``backward_dw``, which megatron-core calls on them, pass through."""
-
-    def __init__(self, graph: Callable) -> None:
-        self.graph = graph
-        self.replays = 0
-
-    def __call__(self, *args, **kwargs):
-        self.replays += 1
-        return self.graph(*args, **kwargs)
-
-    def __getattr__(self, name: str):
-        return getattr(self.graph, name)
 
 
 @contextlib.contextmanager
@@ -109,7 +94,7 @@ class TransformerEngineGraphs:
     helper: Any
     capture_step: int
     overlap_param_gather: bool
-    graphs: list[_CountedGraph] = field(default_factory=list)
+    graphs: list[CountedGraph] = field(default_factory=list)
     capture_seconds: float | None = None
 
     def before_step(self, step: int) -> None:
@@ -122,9 +107,7 @@ class TransformerEngineGraphs:
             # DDP's parameter all-gather hook runs before each graphed module's replay.
             self.helper.cuda_graph_set_manual_hooks()
         self.capture_seconds = time.perf_counter() - start
-        for layer in self.helper.flattened_callables:
-            layer.cuda_graphs = [_CountedGraph(graph) for graph in layer.cuda_graphs]
-            self.graphs.extend(layer.cuda_graphs)
+        self.graphs.extend(count_graphs_of(self.helper.flattened_callables))
         log.info("captured %d TE graphs in %.1f s", len(self.graphs), self.capture_seconds)
 
     def observed(self) -> dict[str, Any]:
