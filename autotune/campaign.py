@@ -407,14 +407,16 @@ def builtin_campaign_path(name: str) -> Path:
     return BUILTIN_CAMPAIGNS_DIR / f"{name}.yaml"
 
 
-def load_campaign(path: Path, workload: WorkloadSection | None = None) -> Campaign:
+def load_campaign(path: Path, workload: WorkloadSection | None = None, check_inputs: bool = True) -> Campaign:
     """Load a campaign file and everything it names; errors name the file and the field.
-    ``workload`` replaces the file's (a replay runs the workload its table was recorded with)."""
+    ``workload`` replaces the file's (a replay runs the workload its table was recorded with).
+    ``check_inputs=False`` reads a finished run's campaign where its trials' inputs (a ``bridge``
+    campaign's recipe file, checkpoints and Energon data) are not: a report or an export needs none."""
     spec = load_file(path, CampaignFile)
     if workload is not None:
         spec = spec.model_copy(update={"workload": workload})
     trainable = resolve_trainable(path, "trainable", spec.trainable)
-    if spec.bridge is not None:
+    if spec.bridge is not None and check_inputs:
         _check_bridge_paths(path, spec)
     if spec.model.preset is not None:
         model = resolve_model(path, "model.preset", spec.model.preset, "model.overrides", spec.model.overrides)

@@ -11,6 +11,12 @@ estimator) gives the speedup the user sees, put beside the campaign's claim (win
 both promoted runs). Both runs draw the same samples (same recipe seed, same global batch), so the
 ratio of iteration rates is the ratio of useful tokens/s.
 
+``--with-trial-code`` adds the same two configs run by the trial's own code (``trainables.bridge.burst``:
+its recipe preparation and step-recording callback) under ``torchrun`` without Ray or our launcher, Bridge
+logging every iteration: Bridge's clock and the trial's records of the same steps side by side. Set
+against the plain runs and the campaign's trials, it says where a gap comes from (the callback, the
+timing window, or the way trials are launched).
+
   python bench/bridge_paste_back.py RUN_DIR --steps 50 --out bench/results/bridge_gpu/paste_back.json
 
 On the GPU machine with Bridge 0.6.2, megatron-core 0.19.2 and TE on ``PYTHONPATH`` (bench/README.md).
@@ -54,6 +60,10 @@ class LaunchResult:
     """Bridge's "elapsed time per iteration (ms)" of iterations 1, 2, … (logged every iteration)."""
     steady_iterations_per_s: dict | None
     log_tail: str
+    trial_step_seconds: list[float] | None = None
+    """The trial code's own step records of the same steps (``--with-trial-code`` runs only)."""
+    trial_steady_useful_tokens_per_s: dict | None = None
+    trial_outcome: str | None = None
 
 
 def launch(spec: RecipeSpec, overrides: list[str], steps: int, memory_cap_fraction: float | None) -> None:
@@ -79,23 +89,81 @@ def launch(spec: RecipeSpec, overrides: list[str], steps: int, memory_cap_fracti
     pretrain(recipe, forward_step)
 
 
-def run_plain(name: str, spec: RecipeSpec, overrides: list[str], steps: int, warmup_steps: int,
-              memory_cap_fraction: float | None) -> LaunchResult:
-    """``launch`` under ``torchrun`` in a fresh process; Bridge's iteration times read from its log."""
+def launch_trial_code(run_dir: Path, config: dict, steps: int, records_out: Path) -> None:
+    """The campaign's trial of ``config`` run by the trial's own code in this process (under
+    ``torchrun``, without Ray or our launcher), with Bridge logging every iteration; its step
+    records written to ``records_out``."""
+    import dataclasses
+
+    import torch
+    import torch.distributed as dist
+
+    from autotune.core.knobs import complete_config
+    from trainables.bridge.burst import run_rank
+
+    campaign = open_run_dir(run_dir).load_campaign()
+    request = campaign.burst_request(complete_config(config), steps)
+    assert request.recipe is not None
+    request = dataclasses.replace(request, recipe=dataclasses.replace(
+        request.recipe, overrides=(*request.recipe.overrides, "logger.log_interval=1")))
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl")
+    try:
+        result = run_rank(request, device)
+    finally:
+        dist.destroy_process_group()
+    records_out.write_text(json.dumps({"outcome": result.outcome, "error": result.error,
+                                       "records": [asdict(record) for record in result.records]}))
+
+
+def _torchrun(order: dict) -> tuple[int, str, float]:
+    """This script's ``--launch`` with ``order`` under ``torchrun`` on one GPU, in a fresh process."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", __file__, "--launch",
-               json.dumps({"spec": asdict(spec), "overrides": overrides, "steps": steps,
-                           "memory_cap_fraction": memory_cap_fraction})]
-    log.info("%s: %s", name, " ".join(shlex.quote(o) for o in overrides))
+               json.dumps(order)]
     started = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    wall = time.perf_counter() - started
-    output = done.stdout + done.stderr
+    return done.returncode, done.stdout + done.stderr, time.perf_counter() - started
+
+
+def _bridge_clock(output: str, warmup_steps: int) -> tuple[list[float], dict | None]:
+    """Bridge's "elapsed time per iteration" of each logged iteration, and their steady rate."""
     by_iteration = {int(i): float(ms) for i, ms in ITERATION_LINE.findall(output)}
     times = [by_iteration[i] for i in sorted(by_iteration)]
     estimate = steady_state([1000.0 / ms for ms in times], min_warmup=warmup_steps) if times else None
-    return LaunchResult(name=name, overrides=overrides, returncode=done.returncode, wall_seconds=wall,
-                        iteration_ms=times, steady_iterations_per_s=None if estimate is None else estimate.to_dict(),
-                        log_tail=output[-3000:])
+    return times, None if estimate is None else estimate.to_dict()
+
+
+def run_plain(name: str, spec: RecipeSpec, overrides: list[str], steps: int, warmup_steps: int,
+              memory_cap_fraction: float | None) -> LaunchResult:
+    """``launch`` in a fresh process; Bridge's iteration times read from its log."""
+    log.info("%s: %s", name, " ".join(shlex.quote(o) for o in overrides))
+    returncode, output, wall = _torchrun({"mode": "plain", "spec": asdict(spec), "overrides": overrides,
+                                          "steps": steps, "memory_cap_fraction": memory_cap_fraction})
+    times, steady = _bridge_clock(output, warmup_steps)
+    return LaunchResult(name=name, overrides=overrides, returncode=returncode, wall_seconds=wall,
+                        iteration_ms=times, steady_iterations_per_s=steady, log_tail=output[-3000:])
+
+
+def run_trial_code(name: str, run_dir: Path, config: dict, overrides: list[str], steps: int,
+                   warmup_steps: int) -> LaunchResult:
+    """``launch_trial_code`` in a fresh process: Bridge's clock from its log, the trial's from its records."""
+    log.info("%s: the trial's code on %s", name, config)
+    with tempfile.TemporaryDirectory() as folder:
+        records_out = Path(folder) / "records.json"
+        returncode, output, wall = _torchrun({"mode": "trial", "run_dir": str(run_dir), "config": config,
+                                              "steps": steps, "records_out": str(records_out)})
+        ran = json.loads(records_out.read_text()) if records_out.is_file() else {"outcome": None, "records": []}
+    times, steady = _bridge_clock(output, warmup_steps)
+    records = ran["records"]
+    ours = steady_state([r["useful_tokens"] / r["step_seconds"] for r in records], min_warmup=warmup_steps) \
+        if records else None
+    return LaunchResult(name=name, overrides=overrides, returncode=returncode, wall_seconds=wall,
+                        iteration_ms=times, steady_iterations_per_s=steady,
+                        log_tail=(output + (ran.get("error") or ""))[-3000:],
+                        trial_step_seconds=[r["step_seconds"] for r in records],
+                        trial_steady_useful_tokens_per_s=None if ours is None else ours.to_dict(),
+                        trial_outcome=ran["outcome"])
 
 
 def exported_line(run_dir: Path) -> list[str]:
@@ -123,11 +191,17 @@ def main() -> None:
     parser.add_argument("run_dir", type=Path, nargs="?")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--repeats", type=int, default=1, help="run every side this many times, alternated")
+    parser.add_argument("--with-trial-code", action="store_true",
+                        help="also run both configs with the trial's own code (module docstring)")
     parser.add_argument("--launch", help=argparse.SUPPRESS)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if args.launch:
         order = json.loads(args.launch)
+        if order["mode"] == "trial":
+            launch_trial_code(Path(order["run_dir"]), order["config"], order["steps"], Path(order["records_out"]))
+            return
         spec = order["spec"]
         launch(RecipeSpec(recipe=spec["recipe"], overrides=tuple(spec["overrides"]), tuned=tuple(spec["tuned"]),
                           hf_checkpoints=tuple(tuple(pair) for pair in spec["hf_checkpoints"])),
@@ -144,8 +218,20 @@ def main() -> None:
                     f"train.global_batch_size={campaign.spec.workload.global_batch_size}"]
     warmup, cap = campaign.spec.stages.warmup_steps, campaign.spec.hardware.memory_cap_fraction
     winner_line = exported_line(args.run_dir)
-    runs = [run_plain("as written", spec, users_launch, args.steps, warmup, cap),
-            run_plain("winner pasted", spec, [*users_launch, *winner_line], args.steps, warmup, cap)]
+    bring_up = report.bring_up.config.to_plain() if report.bring_up is not None else None
+    runs: list[LaunchResult] = []
+    gains = []
+    for _ in range(args.repeats):  # alternated, so a drift of the machine falls on both sides
+        as_written = run_plain("as written", spec, users_launch, args.steps, warmup, cap)
+        if args.with_trial_code and bring_up is not None:
+            runs.append(run_trial_code("bring-up, trial code", args.run_dir, bring_up, users_launch, args.steps,
+                                       warmup))
+        pasted = run_plain("winner pasted", spec, [*users_launch, *winner_line], args.steps, warmup, cap)
+        if args.with_trial_code:
+            runs.append(run_trial_code("winner, trial code", args.run_dir, report.winner.config.to_plain(),
+                                       [*users_launch, *winner_line], args.steps, warmup))
+        runs += [as_written, pasted]
+        gains.append(bridge_timed_gain(as_written, pasted))
     claimed = report.gain_over_bring_up()
     result = {
         "run_dir": str(args.run_dir), "recipe": spec.recipe, "steps": args.steps, "warmup_steps": warmup,
@@ -153,16 +239,19 @@ def main() -> None:
         "winner": report.winner.config.describe(), "export_line": winner_line,
         "claimed_gain": None if claimed is None else asdict(claimed),
         "contract": None if report.winner.contract is None else report.winner.contract.to_json(),
-        "bridge_timed_gain": bridge_timed_gain(*runs),
+        "bridge_timed_gains": gains,
         "runs": [asdict(run) for run in runs],
         "date": time.strftime("%Y-%m-%d"),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1, default=str))
     for run in runs:
+        ours = "" if run.trial_outcome is None else \
+            f"; the trial's records: {run.trial_outcome}, {(run.trial_steady_useful_tokens_per_s or {}).get('mean')} tokens/s"
         print(f"{run.name}: rc {run.returncode}, {len(run.iteration_ms)} iterations logged, steady "
-              f"{(run.steady_iterations_per_s or {}).get('mean')} it/s; {run.log_tail[-800:] if run.returncode else ''}")
-    print(f"gain by Bridge's timer {result['bridge_timed_gain']}; the campaign's claim {result['claimed_gain']}")
+              f"{(run.steady_iterations_per_s or {}).get('mean')} it/s{ours}; "
+              f"{run.log_tail[-800:] if run.returncode else ''}")
+    print(f"gains by Bridge's timer {gains}; the campaign's claim {result['claimed_gain']}")
 
 
 if __name__ == "__main__":

@@ -70,6 +70,13 @@ def test_a_run_directory_of_a_bridge_campaign_loads_its_recipe_checkpoint_and_da
     assert copied.burst_request(bring_up, 4).data == campaign.burst_request(bring_up, 4).data
     assert copied.model == campaign.model
 
+    for moved in ("hf-proxy", "energon", "user"):  # the run directory read on another machine
+        shutil.move(tmp_path / moved, tmp_path / f"{moved}-elsewhere")
+    elsewhere = open_run_dir(next((tmp_path / "runs").iterdir())).load_campaign(check_inputs=False)
+    assert elsewhere.model == campaign.model and elsewhere.recipe == campaign.recipe
+    with pytest.raises(InputFileError, match="data.path"):
+        open_run_dir(next((tmp_path / "runs").iterdir())).load_campaign()
+
 
 def test_builtin_demo_is_the_cpu_native_campaign() -> None:
     campaign = load_campaign(builtin_campaign_path("cpu_demo"))

@@ -197,6 +197,10 @@ def model_preset(name: str, overrides: dict[str, Any] | None = None) -> ModelSpe
     return ModelSpec.model_validate(_deep_merge(base.model_dump(), overrides))
 
 
+HF_SIZE_FILES = ("config.json", "preprocessor_config.json")
+"""What :func:`hf_checkpoint_model` reads of a checkpoint directory (no weights)."""
+
+
 def hf_checkpoint_model(directory: Path, overrides: dict[str, Any]) -> ModelSpec:
     """The sizes of a Qwen-VL MoE checkpoint directory (``config.json``'s text and vision configs, the
     image processor's pixel bounds, in transformers 4's or 5's spelling), as the rules and the memory
@@ -207,7 +211,7 @@ def hf_checkpoint_model(directory: Path, overrides: dict[str, Any]) -> ModelSpec
     Raises:
         AutotuneError: the directory, a file or a field is missing (named).
     """
-    config_path, processor_path = directory / "config.json", directory / "preprocessor_config.json"
+    config_path, processor_path = (directory / name for name in HF_SIZE_FILES)
     for path in (config_path, processor_path):
         if not path.is_file():
             raise AutotuneError(f"{path} does not exist: a Hugging Face checkpoint directory has it")

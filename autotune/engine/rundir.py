@@ -32,6 +32,7 @@ import yaml
 
 from autotune.campaign import Campaign, load_campaign
 from autotune.core.errors import AutotuneError
+from autotune.core.model import HF_SIZE_FILES
 from autotune.durable import OutputUnwritable, append_bytes
 from autotune.engine.records import StepEntry, read_trial_entries
 
@@ -52,6 +53,9 @@ LEADERBOARD_FILE = "leaderboard.json"
 WINNER_FILE = "winner.yaml"
 SPEND_FILE = "spend.json"
 PROBE_FILE = "probe.json"
+CHECKPOINT_SIZES_DIR = "checkpoint"
+"""Where a ``model.hf_checkpoint`` campaign's size files (:data:`~autotune.core.model.HF_SIZE_FILES`) are
+copied, under the checkpoint directory's own name."""
 REPORT_FILE = "report.html"
 
 
@@ -119,8 +123,10 @@ class RunDir:
             temporary.unlink(missing_ok=True)
             raise OutputUnwritable(self.path / name, exc) from exc
 
-    def load_campaign(self) -> Campaign:
-        return load_campaign(self.path / CAMPAIGN_FILE)
+    def load_campaign(self, check_inputs: bool = True) -> Campaign:
+        """The campaign as it ran; ``check_inputs=False`` to read it where its trials' inputs are not
+        (:func:`~autotune.campaign.load_campaign`)."""
+        return load_campaign(self.path / CAMPAIGN_FILE, check_inputs=check_inputs)
 
 
 def create_run_dir(campaign: Campaign, output_dir: Path | None = None) -> RunDir:
@@ -138,6 +144,15 @@ def create_run_dir(campaign: Campaign, output_dir: Path | None = None) -> RunDir
         shutil.copyfile(campaign.space.path, path / SPACE_FILE)
         spec = campaign.spec_with_absolute_paths()
         spec["space"] = SPACE_FILE
+        if spec["model"]["hf_checkpoint"] is not None:
+            # The sizes the rules and the memory model read, kept with the run (a report reads them
+            # where the checkpoint directory is not).
+            source = Path(spec["model"]["hf_checkpoint"])
+            sizes = Path(CHECKPOINT_SIZES_DIR) / source.name  # its name names the model
+            (path / sizes).mkdir(parents=True)
+            for name in HF_SIZE_FILES:
+                shutil.copyfile(source / name, path / sizes / name)
+            spec["model"]["hf_checkpoint"] = str(sizes)
         if campaign.next_space is not None:
             shutil.copyfile(campaign.next_space.path, path / THEN_SPACE_FILE)
             spec["workflow"]["then_space"] = THEN_SPACE_FILE

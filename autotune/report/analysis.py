@@ -184,7 +184,7 @@ class RunReport:
 def load_report(path: Path) -> RunReport:
     """Read a run directory into a :class:`RunReport` (a stopped campaign reports what it has)."""
     run_dir = open_run_dir(path)
-    campaign = run_dir.load_campaign()
+    campaign = run_dir.load_campaign(check_inputs=False)
     entries = list(run_dir.trials.read())
     verdict = decide([e for e in entries if e.launched and e.stage == "promote"])
     tuned = list(dict.fromkeys([*campaign.space.tuned, *(campaign.next_space.tuned if campaign.next_space else [])]))
