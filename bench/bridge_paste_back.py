@@ -38,7 +38,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from autotune.core.contract import RecipeSpec
-from autotune.core.steady import steady_state
+from autotune.core.steady import SteadyEstimate, steady_state
+from autotune.engine.promotion import gain_between
 from autotune.engine.rundir import open_run_dir
 from autotune.report.analysis import load_report
 
@@ -176,14 +177,14 @@ def exported_line(run_dir: Path) -> list[str]:
     return shlex.split(lines[0])
 
 
-def bridge_timed_gain(as_written: LaunchResult, pasted: LaunchResult) -> dict | None:
-    """The pasted run over the recipe as written, by Bridge's timer: the ratio of steady iteration
-    rates less one, bounded by the two intervals (as the campaign bounds its own gain)."""
+def bridge_timed_gain(as_written: LaunchResult, pasted: LaunchResult, steps: int) -> dict | None:
+    """The pasted run over the recipe as written, by Bridge's timer: its steady iteration rate over
+    the other's, bounded as the campaign bounds its own gain (:func:`gain_between`)."""
     if as_written.steady_iterations_per_s is None or pasted.steady_iterations_per_s is None:
         return None
-    base, won = as_written.steady_iterations_per_s, pasted.steady_iterations_per_s
-    return {"value": won["mean"] / base["mean"] - 1, "low": won["ci_low"] / base["ci_high"] - 1,
-            "high": won["ci_high"] / base["ci_low"] - 1}
+    gain = gain_between(SteadyEstimate(**pasted.steady_iterations_per_s),
+                        SteadyEstimate(**as_written.steady_iterations_per_s), steps)
+    return None if gain is None else asdict(gain)
 
 
 def main() -> None:
@@ -231,7 +232,7 @@ def main() -> None:
             runs.append(run_trial_code("winner, trial code", args.run_dir, report.winner.config.to_plain(),
                                        [*users_launch, *winner_line], args.steps, warmup))
         runs += [as_written, pasted]
-        gains.append(bridge_timed_gain(as_written, pasted))
+        gains.append(bridge_timed_gain(as_written, pasted, args.steps))
     claimed = report.gain_over_bring_up()
     result = {
         "run_dir": str(args.run_dir), "recipe": spec.recipe, "steps": args.steps, "warmup_steps": warmup,

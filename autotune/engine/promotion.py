@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel, ConfigDict
 
 from autotune.core.knobs import Config, ConfigField
+from autotune.core.steady import SteadyEstimate
 from autotune.engine.records import EntryOutcome, Launch, TrialEntry
 
 
@@ -76,11 +77,16 @@ def gain_at_equal_fidelity(winner: TrialEntry, baseline: TrialEntry) -> Gain | N
     """The winner's gain over ``baseline`` when both are finished long runs of the same length."""
     if winner.estimate is None or baseline.estimate is None or baseline.outcome != "ok" or winner.steps != baseline.steps:
         return None
-    w, b = winner.estimate, baseline.estimate
+    return gain_between(winner.estimate, baseline.estimate, winner.steps)
+
+
+def gain_between(winner: SteadyEstimate, baseline: SteadyEstimate, steps: int) -> Gain | None:
+    """One steady estimate over another, both of ``steps``-step runs (``None`` when the baseline's
+    interval reaches 0, which bounds no ratio)."""
+    w, b = winner, baseline
     if b.mean <= 0 or b.ci_low <= 0:
         return None
-    return Gain(value=w.mean / b.mean - 1, low=w.ci_low / b.ci_high - 1, high=w.ci_high / b.ci_low - 1,
-                steps=winner.steps)
+    return Gain(value=w.mean / b.mean - 1, low=w.ci_low / b.ci_high - 1, high=w.ci_high / b.ci_low - 1, steps=steps)
 
 
 def projected_headroom(promoted: list[TrialEntry], reachable_tflops_per_gpu: float) -> float | None:
