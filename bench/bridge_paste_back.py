@@ -220,19 +220,6 @@ def main() -> None:
     warmup, cap = campaign.spec.stages.warmup_steps, campaign.spec.hardware.memory_cap_fraction
     winner_line = exported_line(args.run_dir)
     bring_up = report.bring_up.config.to_plain() if report.bring_up is not None else None
-    runs: list[LaunchResult] = []
-    gains = []
-    for _ in range(args.repeats):  # alternated, so a drift of the machine falls on both sides
-        as_written = run_plain("as written", spec, users_launch, args.steps, warmup, cap)
-        if args.with_trial_code and bring_up is not None:
-            runs.append(run_trial_code("bring-up, trial code", args.run_dir, bring_up, users_launch, args.steps,
-                                       warmup))
-        pasted = run_plain("winner pasted", spec, [*users_launch, *winner_line], args.steps, warmup, cap)
-        if args.with_trial_code:
-            runs.append(run_trial_code("winner, trial code", args.run_dir, report.winner.config.to_plain(),
-                                       [*users_launch, *winner_line], args.steps, warmup))
-        runs += [as_written, pasted]
-        gains.append(bridge_timed_gain(as_written, pasted, args.steps))
     claimed = report.gain_over_bring_up()
     result = {
         "run_dir": str(args.run_dir), "recipe": spec.recipe, "steps": args.steps, "warmup_steps": warmup,
@@ -240,19 +227,38 @@ def main() -> None:
         "winner": report.winner.config.describe(), "export_line": winner_line,
         "claimed_gain": None if claimed is None else asdict(claimed),
         "contract": None if report.winner.contract is None else report.winner.contract.to_json(),
-        "bridge_timed_gains": gains,
-        "runs": [asdict(run) for run in runs],
-        "date": time.strftime("%Y-%m-%d"),
+        "bridge_timed_gains": [], "runs": [], "date": time.strftime("%Y-%m-%d"),
     }
+    runs: list[LaunchResult] = []
+
+    def keep(run: LaunchResult) -> LaunchResult:
+        """Every finished run is written out at once: a machine lost mid-way keeps the runs it finished."""
+        runs.append(run)
+        result["runs"].append(asdict(run))
+        log.info("%s: rc %d, %d iterations logged, Bridge's steady %s it/s, the trial's records %s tokens/s",
+                 run.name, run.returncode, len(run.iteration_ms), (run.steady_iterations_per_s or {}).get("mean"),
+                 (run.trial_steady_useful_tokens_per_s or {}).get("mean"))
+        args.out.write_text(json.dumps(result, indent=1, default=str))
+        return run
+
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1, default=str))
+    for _ in range(args.repeats):  # alternated, so a drift of the machine falls on both sides
+        as_written = keep(run_plain("as written", spec, users_launch, args.steps, warmup, cap))
+        if args.with_trial_code and bring_up is not None:
+            keep(run_trial_code("bring-up, trial code", args.run_dir, bring_up, users_launch, args.steps, warmup))
+        pasted = keep(run_plain("winner pasted", spec, [*users_launch, *winner_line], args.steps, warmup, cap))
+        if args.with_trial_code:
+            keep(run_trial_code("winner, trial code", args.run_dir, report.winner.config.to_plain(),
+                                [*users_launch, *winner_line], args.steps, warmup))
+        result["bridge_timed_gains"].append(bridge_timed_gain(as_written, pasted, args.steps))
+        args.out.write_text(json.dumps(result, indent=1, default=str))
     for run in runs:
         ours = "" if run.trial_outcome is None else \
             f"; the trial's records: {run.trial_outcome}, {(run.trial_steady_useful_tokens_per_s or {}).get('mean')} tokens/s"
         print(f"{run.name}: rc {run.returncode}, {len(run.iteration_ms)} iterations logged, steady "
               f"{(run.steady_iterations_per_s or {}).get('mean')} it/s{ours}; "
               f"{run.log_tail[-800:] if run.returncode else ''}")
-    print(f"gains by Bridge's timer {gains}; the campaign's claim {result['claimed_gain']}")
+    print(f"gains by Bridge's timer {result['bridge_timed_gains']}; the campaign's claim {result['claimed_gain']}")
 
 
 if __name__ == "__main__":
