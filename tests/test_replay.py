@@ -1,6 +1,6 @@
 """Recorded tables and the replay trainable: a table is read strictly, a replay serves what was
-recorded (warm-up as recorded, steady steps drawn from the recorded steady steps, outcomes as
-recorded) and its recorded seconds, not the wall clock, are what the ledger charges."""
+recorded (warm-up as recorded, the recorded steady steps shuffled, each once before any again,
+outcomes as recorded) and its recorded seconds, not the wall clock, are what the ledger charges."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from autotune.campaign import load_campaign
 from autotune.core.contract import BurstRequest, BurstResult, Contract, DataSpec, Evidence, StepRecord, StepReport
 from autotune.core.knobs import complete_config
 from autotune.core.model import model_preset
+from autotune.core.steady import steady_state
 from autotune.core.tables import RecordedBurst, TableError, append_row, load_table
 from autotune.engine.ledger import Ledger
 from autotune.engine.records import Launch
@@ -26,6 +27,8 @@ from trainables.replay.burst import run_replay, warmup_steps
 CPU_DEMO = load_space(Path("search_spaces/cpu_demo.yaml"))
 WARMUP = [3.0, 1.5]
 STEADY = [1.00, 1.02, 0.98, 1.01, 0.99, 1.03, 0.97, 1.00]
+DISTINCT = [1.00, 1.05, 0.98, 1.03, 0.99, 1.04, 0.97, 1.02, 1.01, 0.96]
+"""Ten steady steps, no two alike (as measured step times are)."""
 
 
 def row(outcome: str = "ok", steps: list[float] | None = None, **config) -> RecordedBurst:
@@ -91,6 +94,26 @@ def test_replay_keeps_the_warmup_and_draws_steady_steps_from_the_recorded_ones(t
     assert run_replay(request(path, 40)).records == result.records
     assert [r.step_seconds for r in run_replay(request(path, 40, seed=1)).records] != seconds
     assert [r.step_seconds for r in run_replay(request(path, 41)).records][:40] != seconds
+
+
+def test_a_replay_reports_each_recorded_steady_step_once_before_any_again(tmp_path) -> None:
+    path = table(tmp_path, row(steps=WARMUP + DISTINCT))
+    assert warmup_steps(load_table(path).row(complete_config({}))) == len(WARMUP)
+    for seed in range(20):  # an 8-step screen: 6 steady steps, all different
+        screen = [r.step_seconds for r in run_replay(request(path, 8, seed=seed)).records]
+        assert screen[:2] == WARMUP and len(set(screen[2:])) == 6
+    # Longer than the recording: every recorded steady step once a pass, in a fresh order each pass.
+    steady = [r.step_seconds for r in run_replay(request(path, 2 + 25)).records][2:]
+    assert sorted(steady[:10]) == sorted(steady[10:20]) == sorted(DISTINCT) and set(steady[20:]) <= set(DISTINCT)
+    assert len(set(steady[20:])) == 5 and steady[:10] != steady[10:20]
+
+
+def test_no_replayed_screen_has_a_steady_interval_of_no_width(tmp_path) -> None:
+    path = table(tmp_path, row(steps=WARMUP + DISTINCT))
+    for seed in range(500):
+        tokens_per_second = [r.tokens_per_second for r in run_replay(request(path, 8, seed=seed)).records]
+        estimate = steady_state(tokens_per_second, min_warmup=2)
+        assert estimate.ci_low < estimate.ci_high, seed
 
 
 def test_replay_ends_as_recorded_and_stops_when_told(tmp_path) -> None:

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from autotune.core.steady import mser_truncation, steady_state
+from autotune.core.steady import MIN_WINDOW, mser_truncation, steady_state
 
 
 def noisy(level: float, count: int, noise: float, seed: int) -> list[float]:
@@ -64,3 +64,26 @@ def test_too_short_gives_none_and_declared_warmup_is_respected() -> None:
 
 def test_mser_on_a_flat_series_cuts_nothing_beyond_the_minimum() -> None:
     assert mser_truncation([5.0] * 20, minimum=2) == 2
+
+
+def test_mser_never_cuts_a_short_series_below_the_minimum_window() -> None:
+    # An 8-step screen after 3 warm-up steps: half the series (cut at 4) would leave 4 steps; the
+    # three equal ones of them had a median deviation of 0, the fourth was dropped as an outlier
+    # and the interval had no width.
+    series = [500.0, 800.0, 900.0, 950.0, 1000.0, 1000.0, 1000.0, 1010.0]
+    assert mser_truncation(series, minimum=3) == 3
+    estimate = steady_state(series, min_warmup=3)
+    assert estimate.warmup_steps == 3 and estimate.window + estimate.outliers == 5
+    assert estimate.ci_low < estimate.ci_high
+
+
+def test_every_short_estimate_keeps_the_minimum_window_and_long_ones_the_half_bound() -> None:
+    for count in range(6, 2 * MIN_WINDOW):
+        for min_warmup in (1, 2, 3):
+            for seed in range(30):
+                series = [1000 * (0.5 + 0.1 * i) for i in range(min_warmup)] + noisy(1000, count - min_warmup, 0.02, seed)
+                estimate = steady_state(series, min_warmup=min_warmup)
+                if estimate is not None:
+                    assert count - estimate.warmup_steps >= MIN_WINDOW, (count, min_warmup, seed)
+    # Past two windows the usual half-series bound is the one that holds.
+    assert mser_truncation([float(i) for i in range(16)] + [16.0] * 4, minimum=1) == 10

@@ -2,7 +2,9 @@
 
 Warm-up end: the Marginal Standard Error Rule (MSER; White 1997), which picks the truncation
 point that minimises the squared standard error of the remaining mean, searched over the first
-half of the series (its usual bound, which keeps it from trimming to a few lucky last steps).
+half of the series (its usual bound, which keeps it from trimming to a few lucky last steps) and
+never so far that fewer than the minimum window remain (in a series shorter than two windows, such
+as an 8-step screen, half the series is fewer steps than an estimate is made from).
 Isolated slow steps (a GC pause, a checkpoint, a straggler) are not warm-up: before MSER they
 are clipped, and from the steady window they are dropped as outliers when they sit more than
 ``outlier_mads`` robust deviations from the window's median *and* their neighbours do not. A run
@@ -45,11 +47,12 @@ class SteadyEstimate:
         return {name: getattr(self, name) for name in self.__slots__}
 
 
-def mser_truncation(values: Sequence[float], minimum: int = 0) -> int:
-    """Index where the steady part starts, by MSER over the first half of the series."""
+def mser_truncation(values: Sequence[float], minimum: int = 0, min_window: int = MIN_WINDOW) -> int:
+    """Index where the steady part starts, by MSER over the first half of the series, leaving at
+    least ``min_window`` steps (``minimum`` itself when the series has no more than that)."""
     n = len(values)
     best_index, best_score = minimum, math.inf
-    for index in range(minimum, max(minimum, n // 2) + 1):
+    for index in range(minimum, max(minimum, min(n // 2, n - min_window)) + 1):
         tail = values[index:]
         if len(tail) < 2:
             break
@@ -92,7 +95,7 @@ def steady_state(
     spikes = isolated_outliers(values, outlier_mads)
     median_all = statistics.median(values)
     smoothed = [median_all if i in spikes else x for i, x in enumerate(values)]
-    start = mser_truncation(smoothed, minimum=min_warmup)
+    start = mser_truncation(smoothed, minimum=min_warmup, min_window=min_window)
     window = list(values[start:])
     dropped = isolated_outliers(window, outlier_mads)
     kept = [x for i, x in enumerate(window) if i not in dropped]

@@ -1,9 +1,9 @@
 """Serve a recorded burst through the burst contract, in no time.
 
-A replayed burst reports the recorded warm-up steps as they were, then steady steps drawn with
-replacement from the recorded steady steps (where warm-up ends is found on the recorded throughput,
-as the tuner finds it), seeded by the request's seed, the config and the number of steps asked, so
-a screen and a promotion of one config draw differently and a run replays identically. Outcomes are
+A replayed burst reports the recorded warm-up steps as they were, then the recorded steady steps
+in a shuffled order (where warm-up ends is found on the recorded throughput, as the tuner finds
+it), seeded by the request's seed, the config and the number of steps asked, so a screen and a
+promotion of one config draw differently and a run replays identically. Outcomes are
 the recorded ones: an OOM after k steps replays k steps and ends ``oom``. Time is virtual: every
 report carries the seconds the recorded burst had spent by then, start-up included, and the tuner
 charges those instead of its clock, so a campaign replays in seconds what took device-hours.
@@ -48,14 +48,25 @@ def warmup_steps(row: RecordedBurst) -> int:
 
 
 def replayed_step_seconds(row: RecordedBurst, steps: int, seed: int, key: str) -> list[float]:
-    """The step times a replay of ``steps`` steps reports (fewer when the recorded burst ended early)."""
+    """The step times a replay of ``steps`` steps reports (fewer when the recorded burst ended early).
+
+    Steady steps are drawn without replacement: each recorded step is reported once before any is
+    reported again, in a fresh shuffle each pass. Drawn with replacement, a screen shorter than the
+    recording repeated steps that were measured once (an 8-step screen could report one value three
+    or four times, whose steady interval then had no width at all). A replay longer than the
+    recording has no more steps to show than were measured: it shows each of them once a pass, so
+    its steady steps keep the recorded distribution.
+    """
     recorded = row.step_seconds
     if row.outcome != "ok":
         return recorded[:steps]
     warmup = warmup_steps(row)
     steady = recorded[warmup:] or recorded
     draw = random.Random(f"{seed}:{key}:{steps}")
-    return [recorded[i] if i < warmup else draw.choice(steady) for i in range(steps)]
+    drawn: list[float] = []
+    while warmup + len(drawn) < steps:
+        drawn += draw.sample(steady, len(steady))
+    return (recorded[:warmup] + drawn)[:steps]
 
 
 def run_replay_rank(request: BurstRequest, device: object, reporter: Reporter | None = None) -> BurstResult:
