@@ -13,14 +13,25 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from pathlib import Path
 
+from autotune.engine.records import TrialEntry
+from autotune.engine.rundir import RunDir
 from autotune.report.analysis import load_report
+
+
+def outside_steps(run_dir: Path, entries: list[TrialEntry], world_size: int) -> list[float]:
+    """Each launched trial's device-seconds less its steps' (``step_seconds`` on each of its devices)."""
+    training: dict[str, float] = defaultdict(float)
+    for step in RunDir(run_dir).steps.read():
+        training[step.trial_id] += step.record.step_seconds * world_size
+    return [entry.device_seconds - training[entry.trial_id] for entry in entries if entry.launched]
 
 
 def main() -> None:
@@ -35,6 +46,7 @@ def main() -> None:
         (run_dir,) = Path(output).iterdir()
         spend = json.loads((run_dir / "spend.json").read_text())
         run = load_report(run_dir)  # what `autotune report` reads: the verdict, bring-up, the gain
+        outside = outside_steps(run_dir, run.entries, run.world_size)
     screened = [e for e in run.entries if e.stage == "screen"]
     bring_up, bring_up_long, winner, gain = run.bring_up, run.bring_up_promoted, run.winner, run.gain_over_bring_up()
     report = {
@@ -47,6 +59,10 @@ def main() -> None:
         "promoted": len([e for e in run.entries if e.stage == "promote"]),
         "verdict": run.board.verdict,
         "spend": spend,
+        # every launched trial's device-seconds outside its training steps (start-up, build,
+        # teardown), from steps.jsonl: the same figure for a run whose trials predate the spend's
+        "outside_steps_per_trial": outside,
+        "median_trial_outside_steps": statistics.median(outside) if outside else None,
         "objective": "useful_tokens_per_s_per_gpu",
         "bring_up_screen": None if bring_up is None else {"objective": bring_up.objective, "outcome": bring_up.outcome},
         "bring_up_promoted": None if bring_up_long is None else bring_up_long.to_json(),
@@ -57,7 +73,8 @@ def main() -> None:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2, default=str) + "\n")
-    print(f"{wall:.0f} s · screening {dict(report['screening']['outcomes'])} · {report['verdict']}"
+    print(f"{wall:.0f} s · median trial {report['median_trial_outside_steps']:.1f} device-s outside its steps"
+          f" · screening {dict(report['screening']['outcomes'])} · {report['verdict']}"
           + (f" · winner over bring-up {gain.describe()}" if gain is not None else ""))
 
 

@@ -179,3 +179,28 @@ def test_shards_prepare_for_megatron_energon(tmp_path: Path) -> None:
     info = json.loads((folder / ".nv-meta" / ".info.json").read_text())
     assert sum(info["shard_counts"].values()) == report.samples
     assert len(list_shards(folder)) == report.shards  # the index files energon adds do not confuse us
+
+
+def _first_batch_from_a_loader_worker(folder: str, out) -> None:
+    """In a process the launcher's forkserver started, as a rank is: the loader's workers' start
+    method and whether they delivered a micro-batch."""
+    from trainables.data.loader import make_loader
+
+    loader = make_loader(PackedVLMDataset(Path(folder), TINY, seq_length=512, micro_batch_size=2), num_workers=1)
+    out.put(loader.multiprocessing_context.get_start_method())
+    out.put(next(iter(loader)).tokens.shape[0])
+
+
+def test_a_rank_started_by_a_forkserver_forks_its_loader_workers(photo_shards: Path) -> None:
+    """A forkserver-started rank inherits that start method; its DataLoader workers would then each
+    start a forkserver of their own and import torch and PIL again (7 s of a CPU demo burst)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("forkserver")
+    out = context.Queue()
+    rank = context.Process(target=_first_batch_from_a_loader_worker, args=(str(photo_shards), out))
+    rank.start()
+    assert out.get(timeout=60) == "fork"
+    assert out.get(timeout=60) == 2  # the worker delivered a micro-batch
+    rank.join(timeout=60)
+    assert rank.exitcode == 0

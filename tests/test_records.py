@@ -67,6 +67,21 @@ def test_entries_round_trip_through_the_trials_file(tmp_path: Path) -> None:
     assert "layer_spec" not in line["contract"]  # what a trainable did not write stays unwritten
     assert line["evidence"] == {"checks": {"recompute_granularity": True}, "recompute_calls": 0}
     assert spend(entries).trials == {"screen": 2, "promote": 1} and spend(entries).rejected_before_launch == 1
+    assert spend(entries).outside_steps is None  # no entry says how much of its time was training
+
+
+def test_the_spend_says_what_was_not_training_and_the_median_trials_share() -> None:
+    """Start-up, build and teardown are what warm workers save: device-seconds of launched trials
+    outside their steps, in total and for the median trial; rejected configs cost nothing."""
+    trials = [launched(trial_id=f"t{i}", device_seconds=total, training_device_seconds=training)
+              for i, (total, training) in enumerate([(24.0, 20.0), (30.0, 20.0), (12.0, 11.0)])]
+    rejected = TrialEntry(trial_id=None, stage="screen", space="s", number=4, origin="frontier",
+                          config=complete_config({"micro_batch_size": 8}), launched=False, outcome="invalid",
+                          cause="rules", reason="a rule", device_seconds=0.0,
+                          finished_at=datetime(2026, 12, 2, tzinfo=timezone.utc))
+    spent = spend([*trials, rejected, launched(trial_id="old")])  # "old": a line from before the field
+    assert spent.outside_steps == pytest.approx(4.0 + 10.0 + 1.0)
+    assert spent.median_trial_outside_steps == pytest.approx(4.0)
 
 
 def test_an_earlier_format_file_reads_with_its_origins_and_causes_explicit() -> None:

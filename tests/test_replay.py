@@ -17,7 +17,7 @@ from autotune.core.model import model_preset
 from autotune.core.steady import steady_state
 from autotune.core.tables import RecordedBurst, TableError, append_row, load_table
 from autotune.engine.ledger import Ledger
-from autotune.engine.records import Launch
+from autotune.engine.records import Launch, spend
 from autotune.engine.rundir import create_run_dir
 from autotune.engine.trial import end_result, step_result
 from autotune.space import load_space
@@ -148,3 +148,5 @@ def test_the_ledger_charges_replayed_seconds_not_its_clock(tmp_path) -> None:
     entry = ledger.finish("t1", errored=False)
     assert entry.device_seconds == pytest.approx(260.0)
     assert entry.wall_seconds < 60.0
+    assert entry.training_device_seconds == pytest.approx(2 * 6 * 1.0)  # the rest was the recorded start-up
+    assert spend([entry]).outside_steps == pytest.approx(248.0)

@@ -9,6 +9,7 @@ import os
 import shutil
 import statistics
 import subprocess
+from collections import defaultdict
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -53,6 +54,7 @@ def report_page(campaign_run, cache_env, tmp_path_factory) -> tuple[Path, Path]:
     result = autotune("report", str(run_dir), "--out", str(page), env=cache_env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "device-hours" in result.stdout and str(page) in result.stdout
+    assert "outside training steps (start-up, build, teardown)" in result.stdout
     return run_dir, page
 
 
@@ -81,7 +83,23 @@ def test_the_page_shows_the_run_records(report_page) -> None:
     for group in ("by_stage", "by_outcome"):
         for key, seconds in spend[group].items():
             assert numbers.cells[(None, f"{group}:{key}")] == pytest.approx(seconds / 3600)
+    assert numbers.cells[(None, "outside_steps")] == pytest.approx(spend["outside_steps"] / 3600)
     assert numbers.external == [], "the page loads nothing from the network"
+
+
+def test_what_a_trial_spent_outside_its_steps_is_its_time_less_its_recorded_steps(campaign_run) -> None:
+    run_dir, _ = campaign_run
+    world_size = load_report(run_dir).world_size
+    training: dict[str, float] = defaultdict(float)
+    for line in (run_dir / "steps.jsonl").read_text().splitlines():
+        step = json.loads(line)
+        training[step["trial_id"]] += step["record"]["step_seconds"] * world_size
+    launched = [e for e in entries(run_dir) if e.launched]
+    for entry in launched:
+        assert entry.training_device_seconds == pytest.approx(training[entry.trial_id])
+        assert 0 < entry.training_device_seconds < entry.device_seconds
+    spend = json.loads((run_dir / "spend.json").read_text())
+    assert spend["outside_steps"] == pytest.approx(sum(e.device_seconds - training[e.trial_id] for e in launched))
 
 
 def test_the_stage_split_is_the_steady_steps_mean(campaign_run) -> None:

@@ -59,6 +59,11 @@ def print_summary(console: Console, loaded: RunReport) -> None:
     split = "; ".join(", ".join(f"{key} {value:.3f}" for key, value in group.items() if value)
                       for group in (hours.by_stage, hours.by_outcome) if any(group.values()))
     console.print(f"device-hours: {hours.total:.3f}" + (f" ({split})" if split else ""))
+    spent = loaded.spend
+    if spent.outside_steps is not None and spent.median_trial_outside_steps is not None and spent.total:
+        console.print(f"outside training steps (start-up, build, teardown): {spent.outside_steps / 3600:.3f} "
+                      f"device-hours, {100 * spent.outside_steps / spent.total:.0f}% of the spend; "
+                      f"{spent.median_trial_outside_steps:.1f} device-s for the median trial")
     for split in loaded.stage_splits[:3]:
         parts = ", ".join(f"{part.removesuffix('_seconds')} {100 * value / split.step_seconds:.0f}%"
                           for part, value in split.parts.items() if split.step_seconds)

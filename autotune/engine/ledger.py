@@ -127,6 +127,7 @@ class Ledger:
             peak_memory_bytes=trial.peak_memory_bytes or None,
             wall_seconds=time.monotonic() - trial.started,
             device_seconds=trial.charged_seconds() * self.world_size,
+            training_device_seconds=sum(trial.step_seconds) * self.world_size,
             benchmark_only=self.benchmark_only,
             evidence=trial.evidence,
             contract=None if trial.contract is None else trial.contract.model_copy(update={

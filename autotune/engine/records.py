@@ -10,6 +10,7 @@ prefixes of a string. Files written before these fields existed (``source: "warm
 
 from __future__ import annotations
 
+import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime
@@ -79,6 +80,9 @@ class TrialEntry(BaseModel):
     wall_seconds: float = 0.0
     device_seconds: float
     """Seconds of every device the trial held (start-up included; recorded seconds for a replay)."""
+    training_device_seconds: float | None = None
+    """The part of ``device_seconds`` inside its training steps (their step times, on every device);
+    the rest is the trial's start-up and teardown. ``None`` in runs recorded before it was kept."""
     benchmark_only: bool = False
     evidence: Evidence = Evidence()
     contract: Contract | None = None
@@ -130,6 +134,12 @@ class Spend(BaseModel):
     trials: dict[Stage, int]
     """Trials launched per stage."""
     rejected_before_launch: int
+    outside_steps: float | None = None
+    """Device-seconds of launched trials outside their training steps (process and rank start-up,
+    data loader start, model build, teardown): what warm workers save. ``None`` where no trial
+    recorded its training seconds."""
+    median_trial_outside_steps: float | None = None
+    """The median launched trial's device-seconds outside its training steps."""
 
 
 def spend(entries: Iterable[TrialEntry]) -> Spend:
@@ -137,15 +147,20 @@ def spend(entries: Iterable[TrialEntry]) -> Spend:
     by_outcome: dict[str, float] = defaultdict(float)
     launched = {"screen": 0, "promote": 0}
     rejected = 0
+    outside: list[float] = []
     for entry in entries:
         by_stage[entry.stage] += entry.device_seconds
         by_outcome[entry.outcome] += entry.device_seconds
         if entry.launched:
             launched[entry.stage] += 1
+            if entry.training_device_seconds is not None:
+                outside.append(max(0.0, entry.device_seconds - entry.training_device_seconds))
         else:
             rejected += 1
     return Spend(total=sum(by_stage.values()), by_stage=dict(by_stage), by_outcome=dict(by_outcome),
-                 trials=launched, rejected_before_launch=rejected)
+                 trials=launched, rejected_before_launch=rejected,
+                 outside_steps=sum(outside) if outside else None,
+                 median_trial_outside_steps=statistics.median(outside) if outside else None)
 
 
 def read_trial_entries(lines: Iterable[dict[str, Any]]) -> Iterator[TrialEntry]:

@@ -9,7 +9,7 @@ Layout::
     trials.jsonl     one line per finished trial or rejected proposal, appended as it ends
     leaderboard.json the promoted configs with intervals, and the verdict (rewritten at the end)
     winner.yaml      the winning config by canonical knob names, with its contract
-    spend.json       device-seconds per stage and per outcome
+    spend.json       device-seconds per stage and per outcome, and outside training steps
     report.html      the campaign report (``autotune report`` rebuilds it from the files above)
     ray/             Ray Tune's own experiment folders
 

@@ -69,6 +69,10 @@ def _spend_table(report: RunReport) -> str:
     cells = "".join(f"<tr><td>{escape(group)}</td><td>{escape(key)}</td>{_number(value, 4, f'{group}:{key}')}</tr>"
                     for group, split in (("by_stage", hours.by_stage), ("by_outcome", hours.by_outcome))
                     for key, value in split.items())
+    outside = report.spend.outside_steps
+    if outside is not None:
+        cells += (f"<tr><td>outside training steps</td><td>start-up, build, teardown</td>"
+                  f"{_number(outside / 3600, 4, 'outside_steps')}</tr>")
     return (f'<table id="spend"><tr><th>split</th><th></th><th>device-hours</th></tr>{cells}'
             f"<tr><td>total</td><td></td>{_number(hours.total, 4, 'total')}</tr></table>")
 
