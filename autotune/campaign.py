@@ -201,6 +201,11 @@ class StagesSection(_Strict):
     screen_steps: int = Field(default=12, ge=2, description="Steps of a screening burst, warm-up included.")
     promote_top_k: int = Field(default=3, ge=1)
     promote_steps: int = Field(default=50, ge=50, description="The winner runs at least 50 steps.")
+    promote_repeats: int = Field(default=1, ge=1, le=10)
+    """Fresh-process runs of each promoted config, round by round. From two on, the verdict and the
+    gains are bounded by how far a run's mean moves between processes (pooled over the configs),
+    which one run's interval does not show: on a host-bound loop it is the larger part
+    (bench/results/h200_bridge_campaign/paste_back_ab.json)."""
     target_relative_half_width: float = Field(default=0.02, gt=0, lt=1)
     """A screening burst stops once its steady interval is this tight (relative half-width)."""
     prune_margin: float = Field(default=0.02, ge=0, lt=1)

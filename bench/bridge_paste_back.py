@@ -17,7 +17,16 @@ logging every iteration: Bridge's clock and the trial's records of the same step
 against the plain runs and the campaign's trials, it says where a gap comes from (the callback, the
 timing window, or the way trials are launched).
 
+``--winner-only --with-trial-code --repeats N`` runs the winner's sides alone, alternated, each in
+N fresh processes (``--bisect`` adds the two halves of what a trial does differently: its process
+group started first, its recipe without its callback): whether the pasted export runs as the trial
+did, bounded by how far fresh processes of one side move (``winner_across_processes`` in the result:
+the spread between processes, and the pasted sides over the trial's, as a campaign with
+``stages.promote_repeats`` bounds a gain).
+
   python bench/bridge_paste_back.py RUN_DIR --steps 50 --out bench/results/bridge_gpu/paste_back.json
+  python bench/bridge_paste_back.py RUN_DIR --winner-only --with-trial-code --bisect --repeats 2 --out …
+  python bench/bridge_paste_back.py --summarise RESULT_JSON   # recompute that summary of a result file
 
 On the GPU machine with Bridge 0.6.2, megatron-core 0.19.2 and TE on ``PYTHONPATH`` (bench/README.md).
 """
@@ -34,11 +43,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from autotune.core.contract import RecipeSpec
-from autotune.core.steady import SteadyEstimate, steady_state
+from autotune.core.steady import SteadyEstimate, over_processes, process_spread, steady_state
 from autotune.engine.promotion import gain_between
 from autotune.engine.rundir import open_run_dir
 from autotune.report.analysis import load_report
@@ -67,11 +76,14 @@ class LaunchResult:
     trial_outcome: str | None = None
 
 
-def launch(spec: RecipeSpec, overrides: list[str], steps: int, memory_cap_fraction: float | None) -> None:
+def launch(spec: RecipeSpec, overrides: list[str], steps: int, memory_cap_fraction: float | None,
+           process_group_first: bool = False) -> None:
     """What the user's launch script does, in this process (run under ``torchrun``): the recipe
     function, the overrides through Bridge's own parser, ``pretrain()`` with Bridge's VLM forward step.
     The run's length, its log interval, no evaluation and no checkpoint are set on the fields; the
-    campaign's memory cap, if it has one, holds here too (the GPU its trials stood in for)."""
+    campaign's memory cap, if it has one, holds here too (the GPU its trials stood in for).
+    ``process_group_first``: the device set and the NCCL group made before ``pretrain()``, as the
+    trial's launcher does (Bridge then keeps that group instead of making its own)."""
     import torch
 
     from trainables.bridge.recipe import go_offline, load_recipe_function, set_burst_length
@@ -87,13 +99,25 @@ def launch(spec: RecipeSpec, overrides: list[str], steps: int, memory_cap_fracti
     process_config_with_overrides(recipe, cli_overrides=overrides)
     set_burst_length(recipe, steps)
     recipe.logger.log_interval = 1
+    if process_group_first:
+        _process_group_as_trials_make_it()
     pretrain(recipe, forward_step)
 
 
-def launch_trial_code(run_dir: Path, config: dict, steps: int, records_out: Path) -> None:
+def _process_group_as_trials_make_it() -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.set_device(torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))))
+    dist.init_process_group("nccl")
+
+
+def launch_trial_code(run_dir: Path, config: dict, steps: int, records_out: Path, record_steps: bool = True) -> None:
     """The campaign's trial of ``config`` run by the trial's own code in this process (under
     ``torchrun``, without Ray or our launcher), with Bridge logging every iteration; its step
-    records written to ``records_out``."""
+    records written to ``records_out``. Without ``record_steps``: the trial's recipe preparation and
+    process group, then Bridge's ``pretrain()`` with its own forward step and no callback (what the
+    step recording costs, if anything)."""
     import dataclasses
 
     import torch
@@ -101,6 +125,7 @@ def launch_trial_code(run_dir: Path, config: dict, steps: int, records_out: Path
 
     from autotune.core.knobs import complete_config
     from trainables.bridge.burst import run_rank
+    from trainables.bridge.recipe import go_offline, prepare
 
     campaign = open_run_dir(run_dir).load_campaign()
     request = campaign.burst_request(complete_config(config), steps)
@@ -111,6 +136,17 @@ def launch_trial_code(run_dir: Path, config: dict, steps: int, records_out: Path
     torch.cuda.set_device(device)
     dist.init_process_group("nccl")
     try:
+        if not record_steps:
+            import megatron.core
+
+            go_offline(request.recipe, Path(tempfile.mkdtemp(prefix="hf-offline-")) / "hub")
+            if request.memory_cap_fraction:
+                torch.cuda.set_per_process_memory_fraction(request.memory_cap_fraction, device)
+            from megatron.bridge.training.pretrain import pretrain
+            from megatron.bridge.training.vlm_step import forward_step
+
+            pretrain(prepare(request, megatron.core.__version__)[0], forward_step)
+            return
         result = run_rank(request, device)
     finally:
         dist.destroy_process_group()
@@ -136,24 +172,26 @@ def _bridge_clock(output: str, warmup_steps: int) -> tuple[list[float], dict | N
 
 
 def run_plain(name: str, spec: RecipeSpec, overrides: list[str], steps: int, warmup_steps: int,
-              memory_cap_fraction: float | None) -> LaunchResult:
+              memory_cap_fraction: float | None, process_group_first: bool = False) -> LaunchResult:
     """``launch`` in a fresh process; Bridge's iteration times read from its log."""
     log.info("%s: %s", name, " ".join(shlex.quote(o) for o in overrides))
     returncode, output, wall = _torchrun({"mode": "plain", "spec": asdict(spec), "overrides": overrides,
-                                          "steps": steps, "memory_cap_fraction": memory_cap_fraction})
+                                          "steps": steps, "memory_cap_fraction": memory_cap_fraction,
+                                          "process_group_first": process_group_first})
     times, steady = _bridge_clock(output, warmup_steps)
     return LaunchResult(name=name, overrides=overrides, returncode=returncode, wall_seconds=wall,
                         iteration_ms=times, steady_iterations_per_s=steady, log_tail=output[-3000:])
 
 
 def run_trial_code(name: str, run_dir: Path, config: dict, overrides: list[str], steps: int,
-                   warmup_steps: int) -> LaunchResult:
+                   warmup_steps: int, record_steps: bool = True) -> LaunchResult:
     """``launch_trial_code`` in a fresh process: Bridge's clock from its log, the trial's from its records."""
     log.info("%s: the trial's code on %s", name, config)
     with tempfile.TemporaryDirectory() as folder:
         records_out = Path(folder) / "records.json"
         returncode, output, wall = _torchrun({"mode": "trial", "run_dir": str(run_dir), "config": config,
-                                              "steps": steps, "records_out": str(records_out)})
+                                              "steps": steps, "records_out": str(records_out),
+                                              "record_steps": record_steps})
         ran = json.loads(records_out.read_text()) if records_out.is_file() else {"outcome": None, "records": []}
     times, steady = _bridge_clock(output, warmup_steps)
     records = ran["records"]
@@ -165,6 +203,59 @@ def run_trial_code(name: str, run_dir: Path, config: dict, overrides: list[str],
                         trial_step_seconds=[r["step_seconds"] for r in records],
                         trial_steady_useful_tokens_per_s=None if ours is None else ours.to_dict(),
                         trial_outcome=ran["outcome"])
+
+
+def winner_across_processes(runs: list[dict], steps: int) -> dict | None:
+    """What the winner's runs say together (each a fresh process, Bridge's clock): their steady
+    rates by side; how far one process lands from another of the same side (the spread pooled over
+    the sides, as a campaign with ``stages.promote_repeats`` pools it over configs); and the pasted
+    export (plain launches) over the trial's code, each side over its processes, bounded as the
+    campaign bounds a gain. A gain whose bounds hold 0 says the export runs as the trial did."""
+    sides: dict[str, list[SteadyEstimate]] = {}
+    for run in runs:
+        if run["name"].startswith("winner") and run["steady_iterations_per_s"]:
+            sides.setdefault(run["name"], []).append(SteadyEstimate(**run["steady_iterations_per_s"]))
+    spread = process_spread([[e.mean for e in estimates] for estimates in sides.values()])
+    if spread is None:
+        return None
+    plain = [e for name, estimates in sides.items() if "trial code" not in name for e in estimates]
+    trial = [e for name, estimates in sides.items() if "trial code" in name for e in estimates]
+    gain = None
+    if plain and trial:
+        gain = gain_between(over_processes(plain, spread), over_processes(trial, spread), steps)
+    return {"iterations_per_s": {name: [e.mean for e in estimates] for name, estimates in sides.items()},
+            "process_spread": asdict(spread),
+            "within_run_relative_half_width": {name: [e.relative_half_width for e in estimates]
+                                               for name, estimates in sides.items()},
+            "pasted_over_trial_code": None if gain is None else asdict(replace(gain, processes=min(len(plain),
+                                                                                                  len(trial))))}
+
+
+def winner_claim(run_dir: Path) -> dict:
+    """The campaign's winner as it claims it: its objective's mean and interval (over its processes),
+    and the useful tokens an iteration of its trials carried per device (which turn Bridge's
+    iterations/s into the campaign's unit)."""
+    campaign, winner = open_run_dir(run_dir).load_campaign(check_inputs=False), load_report(run_dir).winner
+    if winner is None or winner.estimate is None:
+        raise SystemExit(f"{run_dir} has no winner")
+    runs = set(winner.runs or (winner.trial_id,))
+    tokens = [line.record.useful_tokens for line in open_run_dir(run_dir).steps.read() if line.trial_id in runs]
+    return {"objective": campaign.spec.objective, "mean": winner.objective, "ci_low": winner.estimate.ci_low,
+            "ci_high": winner.estimate.ci_high, "processes": len(winner.runs) or 1,
+            "useful_tokens_per_step_per_device": sum(tokens) / len(tokens) / campaign.spec.hardware.gpus_per_trial}
+
+
+def pasted_against_claim(runs: list[dict], claim: dict) -> dict | None:
+    """Each pasted run's rate in the campaign's unit (Bridge's iterations/s times the useful tokens
+    an iteration of the winner's trials carried, per device: both draw the same samples), and
+    whether it falls inside the winner's claimed interval."""
+    pasted = [run["steady_iterations_per_s"]["mean"] for run in runs
+              if run["name"] == "winner pasted" and run["steady_iterations_per_s"]]
+    if not pasted:
+        return None
+    rates = [rate * claim["useful_tokens_per_step_per_device"] for rate in pasted]
+    return {"useful_tokens_per_s_per_device": rates,
+            "inside_the_winners_interval": [claim["ci_low"] <= rate <= claim["ci_high"] for rate in rates]}
 
 
 def exported_line(run_dir: Path) -> list[str]:
@@ -195,18 +286,36 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="run every side this many times, alternated")
     parser.add_argument("--with-trial-code", action="store_true",
                         help="also run both configs with the trial's own code (module docstring)")
+    parser.add_argument("--winner-only", action="store_true",
+                        help="run the winner's sides only (no as-written run, no gain): does the pasted export "
+                             "run as fast as the trial's code, alternated in the same call")
+    parser.add_argument("--bisect", action="store_true",
+                        help="also run the winner pasted with the process group made first, as trials make it, "
+                             "and the trial's code without its step-recording callback")
+    parser.add_argument("--summarise", type=Path, metavar="RESULT_JSON",
+                        help="recompute the summaries of an earlier result file in place (its RUN_DIR: the one it names)")
     parser.add_argument("--launch", help=argparse.SUPPRESS)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if args.launch:
         order = json.loads(args.launch)
         if order["mode"] == "trial":
-            launch_trial_code(Path(order["run_dir"]), order["config"], order["steps"], Path(order["records_out"]))
+            launch_trial_code(Path(order["run_dir"]), order["config"], order["steps"], Path(order["records_out"]),
+                              order["record_steps"])
             return
         spec = order["spec"]
         launch(RecipeSpec(recipe=spec["recipe"], overrides=tuple(spec["overrides"]), tuned=tuple(spec["tuned"]),
                           hf_checkpoints=tuple(tuple(pair) for pair in spec["hf_checkpoints"])),
-               order["overrides"], order["steps"], order["memory_cap_fraction"])
+               order["overrides"], order["steps"], order["memory_cap_fraction"], order["process_group_first"])
+        return
+    if args.summarise:
+        earlier = json.loads(args.summarise.read_text())
+        earlier["winner_across_processes"] = winner_across_processes(earlier["runs"], earlier["steps"])
+        earlier["winner_claim"] = claim = winner_claim(Path(args.run_dir or earlier["run_dir"]))
+        earlier["pasted_against_claim"] = pasted_against_claim(earlier["runs"], claim)
+        args.summarise.write_text(json.dumps(earlier, indent=1, default=str))
+        print(json.dumps({key: earlier[key] for key in ("winner_across_processes", "winner_claim",
+                                                        "pasted_against_claim")}, indent=1))
         return
     if args.run_dir is None or args.out is None:
         parser.error("RUN_DIR and --out are required")
@@ -220,12 +329,12 @@ def main() -> None:
     warmup, cap = campaign.spec.stages.warmup_steps, campaign.spec.hardware.memory_cap_fraction
     winner_line = exported_line(args.run_dir)
     bring_up = report.bring_up.config.to_plain() if report.bring_up is not None else None
-    claimed = report.gain_over_bring_up()
+    claimed, claim = report.gain_over_bring_up(), winner_claim(args.run_dir)
     result = {
         "run_dir": str(args.run_dir), "recipe": spec.recipe, "steps": args.steps, "warmup_steps": warmup,
         "memory_cap_fraction": cap,
         "winner": report.winner.config.describe(), "export_line": winner_line,
-        "claimed_gain": None if claimed is None else asdict(claimed),
+        "claimed_gain": None if claimed is None else asdict(claimed), "winner_claim": claim,
         "contract": None if report.winner.contract is None else report.winner.contract.to_json(),
         "bridge_timed_gains": [], "runs": [], "date": time.strftime("%Y-%m-%d"),
     }
@@ -242,15 +351,24 @@ def main() -> None:
         return run
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    pasted_line, winner = [*users_launch, *winner_line], report.winner.config.to_plain()
     for _ in range(args.repeats):  # alternated, so a drift of the machine falls on both sides
-        as_written = keep(run_plain("as written", spec, users_launch, args.steps, warmup, cap))
-        if args.with_trial_code and bring_up is not None:
+        as_written = None if args.winner_only else \
+            keep(run_plain("as written", spec, users_launch, args.steps, warmup, cap))
+        if args.with_trial_code and bring_up is not None and not args.winner_only:
             keep(run_trial_code("bring-up, trial code", args.run_dir, bring_up, users_launch, args.steps, warmup))
-        pasted = keep(run_plain("winner pasted", spec, [*users_launch, *winner_line], args.steps, warmup, cap))
+        pasted = keep(run_plain("winner pasted", spec, pasted_line, args.steps, warmup, cap))
         if args.with_trial_code:
-            keep(run_trial_code("winner, trial code", args.run_dir, report.winner.config.to_plain(),
-                                [*users_launch, *winner_line], args.steps, warmup))
-        result["bridge_timed_gains"].append(bridge_timed_gain(as_written, pasted, args.steps))
+            keep(run_trial_code("winner, trial code", args.run_dir, winner, pasted_line, args.steps, warmup))
+        if args.bisect:
+            keep(run_plain("winner pasted, process group first", spec, pasted_line, args.steps, warmup, cap,
+                           process_group_first=True))
+            keep(run_trial_code("winner, trial code without its callback", args.run_dir, winner, pasted_line,
+                                args.steps, warmup, record_steps=False))
+        if as_written is not None:
+            result["bridge_timed_gains"].append(bridge_timed_gain(as_written, pasted, args.steps))
+        result["winner_across_processes"] = winner_across_processes(result["runs"], args.steps)
+        result["pasted_against_claim"] = pasted_against_claim(result["runs"], claim)
         args.out.write_text(json.dumps(result, indent=1, default=str))
     for run in runs:
         ours = "" if run.trial_outcome is None else \
@@ -259,6 +377,7 @@ def main() -> None:
               f"{(run.steady_iterations_per_s or {}).get('mean')} it/s{ours}; "
               f"{run.log_tail[-800:] if run.returncode else ''}")
     print(f"gains by Bridge's timer {result['bridge_timed_gains']}; the campaign's claim {result['claimed_gain']}")
+    print(f"the winner pasted, in the campaign's unit: {result['pasted_against_claim']}; its claim {claim}")
 
 
 if __name__ == "__main__":

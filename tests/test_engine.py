@@ -124,6 +124,46 @@ def test_a_trial_the_budget_stops_is_recorded_with_its_steps_and_device_seconds(
     assert spend["by_stage"]["screen"] == pytest.approx(stopped.device_seconds)
 
 
+def test_repeated_promotion_runs_each_config_in_fresh_processes_and_reports_their_spread(small_table, ray_local,
+                                                                                         tmp_path) -> None:
+    """A replay draws the same steps for every run of a config (its draw is seeded by the config),
+    so the processes agree exactly: the wiring is what this checks, the statistics are unit-tested."""
+    from dataclasses import replace
+    from io import StringIO
+
+    import yaml
+    from rich.console import Console
+
+    from autotune.campaign import load_campaign
+    from autotune.cli.report_cmd import print_summary
+    from autotune.engine.driver import run_campaign
+    from autotune.engine.live import LiveView
+    from autotune.engine.rundir import create_run_dir
+    from autotune.report.analysis import load_report
+
+    space = REPLAY_SPACE | {"warm_start": [{"name": "fast", "config": {"micro_batch_size": 4, "freeze_vision_model": True}},
+                                           {"name": "bring-up", "config": {"micro_batch_size": 1}}]}
+    (tmp_path / "repeats").mkdir()
+    campaign = load_campaign(campaign_file(tmp_path / "repeats", max_trials=2, space=space))
+    stages = campaign.spec.stages.model_copy(update={"promote_repeats": 2})
+    campaign = replace(campaign, spec=campaign.spec.model_copy(update={"stages": stages}), replay_table=small_table)
+    run_dir = create_run_dir(campaign)
+    with LiveView(Console(file=StringIO()), campaign.space, campaign.spec.objective) as view:
+        run_campaign(campaign, run_dir, view)
+    promoted = [e for e in run_dir.trials.read() if e.stage == "promote"]
+    assert [e.config.micro_batch_size for e in promoted] == [4, 1, 4, 1]  # round by round
+    report = load_report(run_dir.path)
+    assert [(row.config.micro_batch_size, row.processes) for row in report.board.rows] == [(4, 2), (1, 2)]
+    assert report.verdict.spread.relative_sd == 0.0 and report.verdict.spread.degrees_of_freedom == 2
+    assert report.gain_over_bring_up().processes == 2
+    winner = yaml.safe_load((run_dir.path / "winner.yaml").read_text())
+    assert winner["objective"]["processes"] == 2 and winner["objective"]["process_spread"]["relative_sd"] == 0.0
+    printed = StringIO()
+    print_summary(Console(file=printed, width=200), report)
+    assert "between fresh processes of one config, a run's mean moved ±0.0%" in printed.getvalue()
+    assert "2 × 50" in printed.getvalue() and "ran in one process" not in printed.getvalue()
+
+
 def test_promotion_runs_fifty_steps_and_the_verdict_reads_the_intervals(campaign_run) -> None:
     run_dir, _ = campaign_run
     promoted = [e for e in entries(run_dir) if e.stage == "promote" and e.space == "engine_test"]
@@ -277,6 +317,48 @@ def test_gain_over_bring_up_is_quoted_between_runs_of_equal_length_with_its_inte
     assert close.tie and "a tie" in close.describe()
     short = entry("s", "screen", 10.0, ci=0.5, micro_batch_size=1).model_copy(update={"steps": 8})
     assert gain_at_equal_fidelity(winner, short) is None  # never a long run over a short screen
+
+
+def test_repeated_promotion_runs_in_rounds_and_a_resumed_campaign_runs_the_rest() -> None:
+    records = [entry("a", "screen", 30.0, micro_batch_size=2), entry("b", "screen", 29.0, micro_batch_size=4),
+               entry("u", "screen", 3.0, micro_batch_size=1, origin="warm_start", warm_start="bring-up")]
+    chosen = promotion_candidates(records, 2, "s", margin=0.02, repeats=3)
+    assert [c.config.micro_batch_size for c in chosen] == [2, 4, 1] * 3
+    records += [entry("p1", "promote", 31.0, micro_batch_size=2), entry("p2", "promote", 28.0, micro_batch_size=4),
+                entry("lost", "promote", None, outcome="failed", micro_batch_size=1, cause="node_lost")]
+    assert [c.config.micro_batch_size for c in promotion_candidates(records, 2, "s", margin=0.02, repeats=3)] == \
+        [1, 2, 4, 1, 2, 4, 1]
+
+
+def test_a_verdict_over_fresh_processes_is_bounded_by_how_far_they_moved() -> None:
+    from scipy.stats import t
+
+    from autotune.engine.promotion import leaderboard
+
+    def run(trial_id: str, objective: float | None, **fields) -> TrialEntry:
+        return entry(trial_id, "promote", objective, steps=50, **fields)
+
+    # Each run pins its own mean to +-1, but A's two processes landed 20 apart and B's 10 apart.
+    runs = [run("a1", 110.0, micro_batch_size=4), run("b1", 90.0, micro_batch_size=2),
+            run("a2", 90.0, micro_batch_size=4), run("b2", 80.0, micro_batch_size=2), run("u1", 40.0), run("u2", 40.0)]
+    verdict = decide(runs)
+    a, b, u = verdict.promoted
+    assert [e.runs for e in verdict.promoted] == [("a1", "a2"), ("b1", "b2"), ("u1", "u2")]
+    sd = ((2 * 0.1 ** 2 + 2 * (5 / 85) ** 2) / 3) ** 0.5
+    assert verdict.spread.degrees_of_freedom == 3 and verdict.spread.relative_sd == pytest.approx(sd)
+    assert a.objective == 100.0 and a.estimate.ci_high - a.objective == pytest.approx(t.ppf(0.975, 3) * sd * 100 / 2 ** 0.5)
+    # one run each, B would have lost beyond the intervals; over processes it is a tie
+    assert verdict.winner.config == a.config and [e.config for e in verdict.tied] == [b.config]
+    assert not decide([runs[0], runs[1]]).tied
+    gain = gain_at_equal_fidelity(a, u)
+    assert gain.processes == 2 and "2 fresh-process 50-step runs of each" in gain.describe()
+    assert gain.low == pytest.approx(a.estimate.ci_low / u.estimate.ci_high - 1)
+    board = leaderboard(runs, verdict)
+    assert [(row.trial_id, row.processes, row.objective) for row in board.rows] == \
+        [(a.trial_id, 2, 100.0), (b.trial_id, 2, 85.0), (u.trial_id, 2, 40.0)]
+    # a config that ran out of memory in one of its processes cannot win
+    verdict = decide([*runs[:2], run("a2", None, outcome="oom", micro_batch_size=4), *runs[3:]])
+    assert verdict.winner.config == b.config and [e.trial_id for e, _ in verdict.disqualified] == ["a2"]
 
 
 def test_verdict_ties_overlapping_intervals_and_rules_out_contradicted_evidence() -> None:

@@ -87,3 +87,31 @@ def test_every_short_estimate_keeps_the_minimum_window_and_long_ones_the_half_bo
                     assert count - estimate.warmup_steps >= MIN_WINDOW, (count, min_warmup, seed)
     # Past two windows the usual half-series bound is the one that holds.
     assert mser_truncation([float(i) for i in range(16)] + [16.0] * 4, minimum=1) == 10
+
+
+def test_the_spread_between_processes_is_pooled_over_configs_relative_to_each_mean() -> None:
+    from autotune.core.steady import process_spread
+
+    spread = process_spread([[100.0, 110.0], [50.0, 45.0, 55.0], [70.0]])
+    squares = 2 * (5 / 105) ** 2 + 2 * 0.1 ** 2  # a config run once adds nothing
+    assert spread.degrees_of_freedom == 3 and spread.relative_sd == pytest.approx((squares / 3) ** 0.5)
+    assert process_spread([[100.0], [50.0]]) is None
+
+
+def test_a_config_over_processes_is_as_wide_as_the_processes_disagree_or_its_runs_are_unsure() -> None:
+    from scipy.stats import t
+
+    from autotune.core.steady import ProcessSpread, over_processes, steady_state
+
+    tight = [steady_state([level] * 3 + noisy(level, 40, 0.005, seed), min_warmup=3) for seed, level in
+             ((1, 100.0), (2, 120.0))]
+    apart = over_processes(tight, ProcessSpread(relative_sd=0.1, degrees_of_freedom=4))
+    half = t.ppf(0.975, 4) * 0.1 * apart.mean / 2 ** 0.5
+    assert apart.mean == pytest.approx((tight[0].mean + tight[1].mean) / 2)
+    assert (apart.ci_low, apart.ci_high) == (pytest.approx(apart.mean - half), pytest.approx(apart.mean + half))
+    assert apart.ci_high - apart.ci_low > 10 * max(r.ci_high - r.ci_low for r in tight)
+    assert apart.window == sum(r.window for r in tight)
+    unsure = [steady_state([100.0] * 3 + noisy(100.0, 20, 0.2, seed), min_warmup=3) for seed in (3, 4)]
+    agreeing = over_processes(unsure, ProcessSpread(relative_sd=0.0, degrees_of_freedom=1))
+    within = (sum(((r.ci_high - r.ci_low) / 2) ** 2 for r in unsure)) ** 0.5 / 2
+    assert agreeing.ci_high - agreeing.mean == pytest.approx(within) and within > 0

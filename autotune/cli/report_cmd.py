@@ -44,7 +44,8 @@ def print_summary(console: Console, loaded: RunReport) -> None:
         tag = "winner" if row.winner else ("tied" if row.tied_with_winner else f"#{row.rank}")
         interval = "" if row.ci_low is None else f"{row.ci_low:,.0f}–{row.ci_high:,.0f}"
         mean = "" if row.objective is None else f"{row.objective:,.0f}"
-        board.add_row(tag, escape(row.config.describe()), mean, interval, str(row.steps))
+        steps = str(row.steps) if row.processes == 1 else f"{row.processes} × {row.steps}"
+        board.add_row(tag, escape(row.config.describe()), mean, interval, steps)
     for base in loaded.baselines:
         estimate = base.estimate
         board.add_row(base.warm_start, escape(base.config.describe()),
@@ -55,6 +56,10 @@ def print_summary(console: Console, loaded: RunReport) -> None:
     gain = loaded.gain_over_bring_up()
     if gain is not None:
         console.print(f"winner over bring-up: {gain.describe()} ({loaded.objective})")
+    if (spread := loaded.verdict.spread) is not None:
+        console.print(f"between fresh processes of one config, a run's mean moved ±{spread.relative_sd:.1%} "
+                      f"(standard deviation, pooled over the promoted configs; {spread.degrees_of_freedom} degrees "
+                      "of freedom): the intervals above hold it")
     hours = loaded.device_hours()
     split = "; ".join(", ".join(f"{key} {value:.3f}" for key, value in group.items() if value)
                       for group in (hours.by_stage, hours.by_outcome) if any(group.values()))

@@ -74,10 +74,9 @@ def _report(campaign: Campaign, outcome: CampaignOutcome) -> None:
     def knobs(entry: TrialEntry) -> str:
         return escape(spaces[entry.space].describe(entry.config))
 
-    promoted = sorted((e for e in outcome.run_dir.trials.read() if e.launched and e.stage == "promote"),
-                      key=lambda e: -(e.objective or 0.0))
+    promoted = sorted(outcome.verdict.promoted, key=lambda e: -(e.objective or 0.0))  # a row per config
     table = Table(title=f"promotion ({campaign.spec.stages.promote_steps} steps) · {campaign.spec.objective}")
-    for column in ("", "space", "mean", "95% interval", "steady steps", "config"):
+    for column in ("", "space", "mean", "95% interval", "runs", "steady steps", "config"):
         table.add_column(column)
     winner_id = outcome.verdict.winner.trial_id if outcome.verdict.winner else None
     for entry in promoted:
@@ -87,6 +86,7 @@ def _report(campaign: Campaign, outcome: CampaignOutcome) -> None:
             entry.space,
             f"{entry.objective:,.1f}" if entry.objective is not None else "-",
             f"{estimate.ci_low:,.1f}–{estimate.ci_high:,.1f}" if estimate else "-",
+            str(len(entry.runs) or 1),
             str(estimate.window) if estimate else "-",
             knobs(entry),
         )

@@ -64,6 +64,7 @@ def validate(
         + (f", deadline {spec.budget.deadline.isoformat()}" if spec.budget.deadline else "")
         + f" · screen {spec.stages.screen_steps} steps (warm-up {spec.stages.warmup_steps}), "
         f"promote top {spec.stages.promote_top_k} for {spec.stages.promote_steps} steps"
+        + (f", {spec.stages.promote_repeats} fresh-process runs each" if spec.stages.promote_repeats > 1 else "")
     )
     if loaded.next_space is not None:
         nxt, reachable = loaded.next_space, loaded.next_space.reachable

@@ -118,6 +118,57 @@ def steady_state(
     )
 
 
+@dataclass(frozen=True, slots=True)
+class ProcessSpread:
+    """How much the steady mean of one run moves between fresh processes of the same config: the
+    relative standard deviation of run means about their config's mean, pooled over configs (the
+    same relative noise assumed for all, as one machine and one workload give it), with its degrees
+    of freedom (runs less configs)."""
+
+    relative_sd: float
+    degrees_of_freedom: int
+
+
+def process_spread(run_means: Sequence[Sequence[float]]) -> ProcessSpread | None:
+    """The pooled spread of ``run_means`` (one sequence per config, a mean per fresh-process run);
+    ``None`` when no config ran twice."""
+    squares, freedom = 0.0, 0
+    for means in run_means:
+        if len(means) < 2:
+            continue
+        centre = sum(means) / len(means)
+        squares += sum((m / centre - 1) ** 2 for m in means)
+        freedom += len(means) - 1
+    return ProcessSpread(math.sqrt(squares / freedom), freedom) if freedom else None
+
+
+def over_processes(runs: Sequence[SteadyEstimate], spread: ProcessSpread) -> SteadyEstimate:
+    """One config's estimate from its runs in fresh processes: the mean of their means, bounded by
+    the spread between processes (a Student-t interval on ``spread``'s degrees of freedom) or by
+    the runs' own intervals, whichever is wider. One run's interval says how well its own steps
+    pin its mean; it does not say where the next process lands, and on a host-bound loop that moves
+    far more (bench/results/h200_bridge_campaign/paste_back_ab.json)."""
+    means = [run.mean for run in runs]
+    mean = sum(means) / len(means)
+    confidence = runs[0].confidence
+    between = _student_t_quantile(0.5 + confidence / 2, spread.degrees_of_freedom) * spread.relative_sd * mean \
+        / math.sqrt(len(runs))
+    within = math.sqrt(sum(((run.ci_high - run.ci_low) / 2) ** 2 for run in runs)) / len(runs)
+    half_width = max(between, within)
+    return SteadyEstimate(
+        warmup_steps=max(run.warmup_steps for run in runs),
+        window=sum(run.window for run in runs),
+        outliers=sum(run.outliers for run in runs),
+        mean=mean,
+        median=statistics.median(means),
+        ci_low=mean - half_width,
+        ci_high=mean + half_width,
+        confidence=confidence,
+        relative_half_width=half_width / abs(mean) if mean else math.inf,
+        converged=all(run.converged for run in runs),
+    )
+
+
 @functools.lru_cache(maxsize=None)
 def _student_t_quantile(probability: float, degrees_of_freedom: int) -> float:
     """scipy.stats is imported on first use: it takes most of a second, and every command and

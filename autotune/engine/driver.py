@@ -13,7 +13,7 @@ import errno
 import logging
 import os
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -168,9 +168,11 @@ def _tune_space(campaign: Campaign, space: SearchSpace, study_name: str, run_dir
         if (why := budget.exhausted() or budget.plateaued()) is not None:
             view.note(f"screening ended early: {why}")
     candidates = promotion_candidates(ledger.entries, spec.stages.promote_top_k, space.name,
-                                      spec.stages.prune_margin)
+                                      spec.stages.prune_margin, spec.stages.promote_repeats)
     if candidates:
-        view.note(f"promoting {len(candidates)} config(s) of {space.name} for {spec.stages.promote_steps} steps")
+        configs = len({launch.config for launch in candidates})
+        view.note(f"promoting {configs} config(s) of {space.name} for {spec.stages.promote_steps} steps"
+                  + (f", {len(candidates)} runs in fresh processes" if len(candidates) > configs else ""))
         _run_stage(
             "promote", job, run_dir, view,
             searcher=ListSearcher(candidates, ledger, spec.stages.promote_steps, planner, job.request.world_size),
@@ -308,7 +310,9 @@ def _write_winner(run_dir: RunDir, campaign: Campaign, verdict: Verdict) -> None
     extra = {
         "campaign": campaign.spec.name,
         "objective": {"metric": campaign.spec.objective, "mean": winner.objective, "ci_low": estimate.ci_low,
-                      "ci_high": estimate.ci_high, "confidence": estimate.confidence, "steady_steps": estimate.window},
+                      "ci_high": estimate.ci_high, "confidence": estimate.confidence, "steady_steps": estimate.window,
+                      "processes": len(winner.runs) or 1,
+                      "process_spread": None if verdict.spread is None else asdict(verdict.spread)},
         "verdict": verdict.summary,
         "tied_with": [e.config.to_plain() for e in verdict.tied],
         "evidence": winner.evidence.model_dump(mode="json"),

@@ -7,12 +7,14 @@ winner's are reported as tied with it, never ranked by noise. Mock-data runs nev
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import statistics
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field, replace
 
 from pydantic import BaseModel, ConfigDict
 
 from autotune.core.knobs import Config, ConfigField
-from autotune.core.steady import SteadyEstimate
+from autotune.core.steady import ProcessSpread, SteadyEstimate, over_processes, process_spread
 from autotune.engine.records import EntryOutcome, Launch, TrialEntry
 
 
@@ -20,17 +22,20 @@ BRING_UP = "bring-up"
 """The warm start every gain is quoted against (the seed's FSDP-first starting point)."""
 
 
-def promotion_candidates(entries: list[TrialEntry], top_k: int, space: str, margin: float) -> list[Launch]:
-    """The ``top_k`` best distinct configs screened in ``space`` (ok outcome), best first, not yet
-    promoted, leaving out those the best screen beat beyond the intervals by ``margin`` (the
-    screening scheduler's pruning rule, applied once all screens are in: a long run of a config
-    its screen already ruled out would only confirm it); then the ``bring-up`` warm start, if its
-    screen ran (ok, or pruned for being slower, as a baseline is), so that the gain over it is
-    quoted between two runs of the same length, never a long run over a short screen."""
+def promotion_candidates(entries: list[TrialEntry], top_k: int, space: str, margin: float,
+                         repeats: int = 1) -> list[Launch]:
+    """The ``top_k`` best distinct configs screened in ``space`` (ok outcome), best first, leaving
+    out those the best screen beat beyond the intervals by ``margin`` (the screening scheduler's
+    pruning rule, applied once all screens are in: a long run of a config its screen already ruled
+    out would only confirm it); then the ``bring-up`` warm start, if its screen ran (ok, or pruned
+    for being slower, as a baseline is), so that the gain over it is quoted between runs of the
+    same length, never a long run over a short screen. Each is run ``repeats`` times in all, in
+    fresh processes, round by round (every config once, then again), so that a drift of the machine
+    falls on all alike; the runs a config already has count (a resumed campaign runs the rest)."""
     entries = [e for e in entries if e.space == space]
-    promoted = {e.config for e in entries if e.launched and e.stage == "promote"}
+    runs = Counter(e.config for e in entries if e.launched and e.stage == "promote" and e.cause != "node_lost")
     screened = sorted((e for e in entries if e.screened_ok), key=lambda e: -e.objective)
-    chosen: list[Launch] = []
+    chosen: list[TrialEntry] = []
     seen: set[Config] = set()
     for entry in screened:
         if entry.config in seen:
@@ -38,17 +43,52 @@ def promotion_candidates(entries: list[TrialEntry], top_k: int, space: str, marg
         seen.add(entry.config)
         if len(seen) > top_k:
             break
-        if entry.estimate.ci_high < screened[0].estimate.ci_low * (1 - margin):
-            continue
-        if entry.config not in promoted:
-            chosen.append(Launch(stage="promote", space=space, config=entry.config, origin="promotion",
-                                 promoted_from=entry.trial_id))
+        if entry.estimate.ci_high >= screened[0].estimate.ci_low * (1 - margin):
+            chosen.append(entry)
     bring_up = next((e for e in entries if e.launched and e.stage == "screen" and e.origin == "warm_start"
                      and e.warm_start == BRING_UP and e.outcome in ("ok", "pruned")), None)
-    if bring_up is not None and bring_up.config not in promoted | {launch.config for launch in chosen}:
-        chosen.append(Launch(stage="promote", space=space, config=bring_up.config, origin="promotion",
-                             promoted_from=bring_up.trial_id))
-    return chosen
+    if bring_up is not None and bring_up.config not in {entry.config for entry in chosen}:
+        chosen.append(bring_up)
+    return [Launch(stage="promote", space=space, config=entry.config, origin="promotion",
+                   promoted_from=entry.trial_id)
+            for round_ in range(repeats) for entry in chosen if runs[entry.config] <= round_]
+
+
+def over_fresh_processes(promoted: list[TrialEntry]) -> tuple[list[TrialEntry], ProcessSpread | None]:
+    """One entry per promoted config of each space (a workflow may promote one config in two spaces:
+    two rows, as two spaces tuned it), in the order of first runs, and the spread between processes
+    that bounds them: pooled over every config that ran twice or more, it bounds every config,
+    those run once included (:func:`over_processes`). A config's entry is one of its runs (one
+    whose evidence fails if any does, else the one nearest their mean) carrying their estimate over
+    processes; one run that did not finish ok stands for the config, which then cannot win. Where
+    no config ran twice, each run is its config's entry as it ran."""
+    by_config: dict[tuple[str, Config], list[TrialEntry]] = defaultdict(list)
+    for entry in promoted:
+        if entry.cause != "node_lost":  # its retry is the run
+            by_config[(entry.space, entry.config)].append(entry)
+    finished = [[e.estimate.mean for e in runs] for runs in by_config.values()
+                if all(e.outcome == "ok" and e.estimate is not None for e in runs)]
+    spread = process_spread(finished)
+    combined = []
+    for runs in by_config.values():
+        ids = tuple(e.trial_id for e in runs if e.trial_id is not None)
+        unfinished = next((e for e in runs if e.outcome != "ok" or e.estimate is None), None)
+        if unfinished is not None or spread is None:
+            shown = unfinished or runs[0]
+            combined.append(shown if len(runs) == 1 else shown.model_copy(update={"runs": ids}))
+            continue
+        estimate = over_processes([e.estimate for e in runs], spread)
+        shown = next((e for e in runs if e.evidence.failed_checks()), None) or \
+            min(runs, key=lambda e: abs(e.estimate.mean - estimate.mean))
+        rates = [e.model_tflops_per_s_per_gpu for e in runs if e.model_tflops_per_s_per_gpu]
+        peaks = [e.peak_memory_bytes for e in runs if e.peak_memory_bytes]
+        combined.append(shown.model_copy(update={
+            "runs": ids, "objective": estimate.mean, "estimate": estimate,
+            "model_tflops_per_s_per_gpu": statistics.fmean(rates) if rates else None,
+            "peak_memory_bytes": max(peaks) if peaks else None,
+            "wall_seconds": sum(e.wall_seconds for e in runs), "device_seconds": sum(e.device_seconds for e in runs),
+        }))
+    return combined, spread
 
 
 @dataclass(frozen=True)
@@ -61,6 +101,9 @@ class Gain:
     low: float
     high: float
     steps: int
+    processes: int = 1
+    """Fresh-process runs of each side (the fewer of the two): above one, the intervals hold the
+    spread between processes."""
 
     @property
     def tie(self) -> bool:
@@ -68,16 +111,20 @@ class Gain:
 
     def describe(self) -> str:
         interval = f"{self.low:+.1%} to {self.high:+.1%}"
+        runs = f"{self.steps}-step runs" if self.processes == 1 else \
+            f"{self.processes} fresh-process {self.steps}-step runs of each"
         if self.tie:
-            return f"{self.value:+.1%} ({interval}): a tie, the intervals overlap ({self.steps}-step runs)"
-        return f"{self.value:+.1%} ({interval}, {self.steps}-step runs of both)"
+            return f"{self.value:+.1%} ({interval}): a tie, the intervals overlap ({runs})"
+        return f"{self.value:+.1%} ({interval}, {runs}{' of both' if self.processes == 1 else ''})"
 
 
 def gain_at_equal_fidelity(winner: TrialEntry, baseline: TrialEntry) -> Gain | None:
     """The winner's gain over ``baseline`` when both are finished long runs of the same length."""
     if winner.estimate is None or baseline.estimate is None or baseline.outcome != "ok" or winner.steps != baseline.steps:
         return None
-    return gain_between(winner.estimate, baseline.estimate, winner.steps)
+    gain = gain_between(winner.estimate, baseline.estimate, winner.steps)
+    processes = min(len(winner.runs) or 1, len(baseline.runs) or 1)
+    return gain if gain is None or processes == 1 else replace(gain, processes=processes)
 
 
 def gain_between(winner: SteadyEstimate, baseline: SteadyEstimate, steps: int) -> Gain | None:
@@ -103,10 +150,16 @@ class Verdict:
     """Promoted configs whose interval overlaps the winner's."""
     disqualified: list[tuple[TrialEntry, str]] = field(default_factory=list)
     summary: str = ""
+    promoted: list[TrialEntry] = field(default_factory=list)
+    """One entry per promoted config (:func:`over_fresh_processes`), as the verdict weighed them."""
+    spread: ProcessSpread | None = None
+    """The spread between fresh processes of one config, where a config ran more than once."""
 
 
-def decide(promoted: list[TrialEntry]) -> Verdict:
-    """The winner among promoted runs, the configs tied with it, and those ruled out (and why)."""
+def decide(promoted_runs: list[TrialEntry]) -> Verdict:
+    """The winner among promoted configs (each over its runs in fresh processes), the configs tied
+    with it, and those ruled out (and why)."""
+    promoted, spread = over_fresh_processes(promoted_runs)
     eligible, disqualified = [], []
     for entry in promoted:
         if entry.outcome != "ok" or entry.estimate is None:
@@ -118,7 +171,7 @@ def decide(promoted: list[TrialEntry]) -> Verdict:
         else:
             eligible.append(entry)
     if not eligible:
-        return Verdict(None, [], disqualified, "no promoted config is eligible to win")
+        return Verdict(None, [], disqualified, "no promoted config is eligible to win", promoted, spread)
     eligible.sort(key=lambda e: -e.objective)
     winner, others = eligible[0], eligible[1:]
     tied = [e for e in others if e.estimate.ci_high >= winner.estimate.ci_low]
@@ -130,7 +183,7 @@ def decide(promoted: list[TrialEntry]) -> Verdict:
         runner_up = others[0]
         gain = winner.objective / runner_up.objective - 1 if runner_up.objective else float("inf")
         summary = f"beats every other promoted config beyond their intervals (+{100 * gain:.1f}% over the next)"
-    return Verdict(winner, tied, disqualified, summary)
+    return Verdict(winner, tied, disqualified, summary, promoted, spread)
 
 
 class LeaderboardRow(BaseModel):
@@ -145,7 +198,10 @@ class LeaderboardRow(BaseModel):
     ci_high: float | None
     space: str
     steps: int
+    processes: int = 1
+    """Fresh-process runs of the config that the row stands for (``trial_id`` is one of them)."""
     steady_steps: int | None
+    """Steady steps of its runs, all together."""
     screen_objective: float | None
     """The config's best screening estimate."""
     winner: bool
@@ -154,8 +210,8 @@ class LeaderboardRow(BaseModel):
 
 
 class Leaderboard(BaseModel):
-    """``leaderboard.json``: the promoted runs best first, with their screening estimate beside
-    them, and the verdict."""
+    """``leaderboard.json``: the promoted configs best first (each over its runs in fresh processes),
+    with their screening estimate beside them, and the verdict."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -168,7 +224,7 @@ def leaderboard(entries: list[TrialEntry], verdict: Verdict) -> Leaderboard:
     for entry in entries:
         if entry.launched and entry.stage == "screen" and entry.objective is not None:
             screened[entry.config] = max(screened.get(entry.config, 0.0), entry.objective)
-    promoted = sorted((e for e in entries if e.launched and e.stage == "promote"), key=lambda e: -(e.objective or 0.0))
+    promoted = sorted(verdict.promoted, key=lambda e: -(e.objective or 0.0))
     tied_ids = {e.trial_id for e in verdict.tied}
     ruled_out = {e.trial_id: why for e, why in verdict.disqualified}
     rows = [
@@ -176,7 +232,8 @@ def leaderboard(entries: list[TrialEntry], verdict: Verdict) -> Leaderboard:
             rank=rank, trial_id=entry.trial_id, config=entry.config, outcome=entry.outcome, objective=entry.objective,
             ci_low=entry.estimate.ci_low if entry.estimate else None,
             ci_high=entry.estimate.ci_high if entry.estimate else None,
-            space=entry.space, steps=entry.steps, steady_steps=entry.estimate.window if entry.estimate else None,
+            space=entry.space, steps=entry.steps, processes=len(entry.runs) or 1,
+            steady_steps=entry.estimate.window if entry.estimate else None,
             screen_objective=screened.get(entry.config),
             winner=verdict.winner is not None and entry.trial_id == verdict.winner.trial_id,
             tied_with_winner=entry.trial_id in tied_ids, ruled_out=ruled_out.get(entry.trial_id),

@@ -66,6 +66,11 @@ class TrialEntry(BaseModel):
     """The screening trial a promotion re-runs."""
     retry_of: str | None = None
     """The trial that lost its node, which this one runs again."""
+    runs: tuple[str, ...] = ()
+    """A promoted config's runs in fresh processes that this entry stands for together (its
+    objective and estimate are theirs over processes; its other fields are those of ``trial_id``,
+    one of them). Made when a verdict is reached, never written to ``trials.jsonl``; empty for a
+    single run."""
     config: ConfigField
     launched: bool
     outcome: EntryOutcome

@@ -132,7 +132,7 @@ class RunReport:
         """Bring-up's config run as long as the promoted configs (promotion runs it for the gain)."""
         if self.bring_up is None:
             return None
-        return next((e for e in self.launched("promote") if e.config == self.bring_up.config), None)
+        return next((e for e in self.verdict.promoted if e.config == self.bring_up.config), None)
 
     def gain_over_bring_up(self) -> Gain | None:
         """The winner over bring-up, both run for the promotion's steps; ``None`` when bring-up has
@@ -298,6 +298,10 @@ def _flags(report: RunReport, campaign) -> list[Flag]:
     if report.winner is not None:
         for part in campaign.frozen_beyond_workload(report.winner.config):
             flags.append(Flag("warning", freezing_warning(part)))
+    if report.verdict.promoted and report.verdict.spread is None:
+        flags.append(Flag("note", "each promoted config ran in one process: its interval says how well its steps pin "
+                                  "that run's mean, not where another process of it lands "
+                                  "(stages.promote_repeats ≥ 2 measures that and widens the intervals by it)"))
     if report.verdict.tied:
         flags.append(Flag("warning", f"tie: {len(report.verdict.tied)} promoted config(s) within the winner's "
                                      "interval; the ranking between them is noise"))

@@ -50,7 +50,8 @@ def _leaderboard(report: RunReport) -> str:
             f"<td>{escape(row.config.describe())}</td>"
             f"{_number(row.objective, field='objective')}{_number(row.ci_low, field='ci_low')}"
             f"{_number(row.ci_high, field='ci_high')}{_number(row.screen_objective, field='screen_objective')}"
-            f"<td>{row.steps} ({row.steady_steps or 0} steady)</td></tr>")
+            f"<td>{row.steps if row.processes == 1 else f'{row.processes} × {row.steps}'} "
+            f"({row.steady_steps or 0} steady)</td></tr>")
     for base in report.baselines:
         estimate = base.estimate
         rows.append(
@@ -89,7 +90,8 @@ def _headline(report: RunReport) -> str:
         verdict = "a tie: the intervals overlap" if gain.tie else f"{gain.low:+.1%} to {gain.high:+.1%}"
         parts.append(f'<div>over bring-up<b id="gain" data-value="{gain.value!r}">{gain.value:+.1%}</b>'
                      f'{verdict}; bring-up {report.bring_up_promoted.objective:,.0f} over the same '
-                     f'{gain.steps} steps</div>')
+                     f'{gain.steps} steps' + (f', {gain.processes} fresh-process runs of each' if gain.processes > 1 else '')
+                     + '</div>')
     total = report.device_hours().total
     parts.append(f'<div>spent<b id="device-hours" data-value="{total!r}">{total:.3f}</b>device-hours, '
                  f"{len(report.launched())} trials launched</div>")
