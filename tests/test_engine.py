@@ -330,6 +330,34 @@ def test_repeated_promotion_runs_in_rounds_and_a_resumed_campaign_runs_the_rest(
         [1, 2, 4, 1, 2, 4, 1]
 
 
+def test_a_promotion_run_that_does_not_finish_ok_drops_its_configs_later_runs() -> None:
+    from autotune.engine.records import Launch
+    from autotune.engine.tune_roles import ListSearcher
+
+    class Ledger:
+        """What the searcher asks of the ledger: a trial starts, and ends as its entry says."""
+
+        def __init__(self) -> None:
+            self.ends: dict[str, TrialEntry] = {}
+
+        def start(self, trial_id: str, launch: Launch) -> None:
+            self.ends[trial_id] = entry(trial_id, "promote", 10.0 if launch.config.micro_batch_size == 1 else None,
+                                        outcome="ok" if launch.config.micro_batch_size == 1 else "oom",
+                                        micro_batch_size=launch.config.micro_batch_size)
+
+        def finish(self, trial_id: str, errored: bool = False) -> TrialEntry:
+            return self.ends[trial_id]
+
+    chosen = promotion_candidates([entry("a", "screen", 30.0, micro_batch_size=8),
+                                   entry("b", "screen", 29.0, micro_batch_size=1)], 2, "s", 0.02, repeats=3)
+    searcher = ListSearcher(chosen, Ledger(), steps=50)
+    ran = []
+    while isinstance(config := searcher.suggest(f"t{len(ran)}"), dict):
+        ran.append(config["config"]["micro_batch_size"])
+        searcher.on_trial_complete(f"t{len(ran) - 1}")
+    assert ran == [8, 1, 1, 1]  # MBS 8 ran out of memory in its first process: its other two never start
+
+
 def test_a_verdict_over_fresh_processes_is_bounded_by_how_far_they_moved() -> None:
     from scipy.stats import t
 

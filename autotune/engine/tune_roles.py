@@ -203,6 +203,17 @@ class ListSearcher(_StageSearcher):
             return None if self.running else Searcher.FINISHED
         return self._launch(trial_id, self.pending.pop(0))
 
+    def _ended(self, launch: Launch, entry: TrialEntry) -> None:
+        """A promotion run that did not finish ok rules its config out (the verdict reads it so):
+        the config's runs still to come in other fresh processes are dropped, not spent."""
+        if entry.outcome == "ok":
+            return
+        same = [p for p in self.pending if (p.space, p.config) == (launch.space, launch.config)]
+        if same:
+            self.pending = [p for p in self.pending if (p.space, p.config) != (launch.space, launch.config)]
+            log.info("promotion: %d more run(s) of %s dropped: one ended %s", len(same), launch.config.describe(),
+                     entry.outcome)
+
 
 class ScreeningScheduler(_DriverOnly, FIFOScheduler):
     """Decides after each step of a screening trial: stop once the steady interval is tight
