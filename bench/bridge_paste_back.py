@@ -46,10 +46,12 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from autotune.campaign import Campaign
 from autotune.core.contract import RecipeSpec
 from autotune.core.steady import SteadyEstimate, over_processes, process_spread, steady_state
 from autotune.engine.promotion import gain_between
-from autotune.engine.rundir import open_run_dir
+from autotune.engine.records import TrialEntry
+from autotune.engine.rundir import RunDir, open_run_dir
 from autotune.report.analysis import load_report
 
 log = logging.getLogger("bridge_paste_back")
@@ -231,17 +233,14 @@ def winner_across_processes(runs: list[dict], steps: int) -> dict | None:
                                                                                                   len(trial))))}
 
 
-def winner_claim(run_dir: Path) -> dict:
+def winner_claim(run_dir: RunDir, campaign: Campaign, winner: TrialEntry) -> dict:
     """The campaign's winner as it claims it: its objective's mean and interval (over its processes),
     and the useful tokens an iteration of its trials carried per device (which turn Bridge's
     iterations/s into the campaign's unit)."""
-    campaign, winner = open_run_dir(run_dir).load_campaign(check_inputs=False), load_report(run_dir).winner
-    if winner is None or winner.estimate is None:
-        raise SystemExit(f"{run_dir} has no winner")
     runs = set(winner.runs or (winner.trial_id,))
-    tokens = [line.record.useful_tokens for line in open_run_dir(run_dir).steps.read() if line.trial_id in runs]
+    tokens = [line.record.useful_tokens for line in run_dir.steps.read() if line.trial_id in runs]
     return {"objective": campaign.spec.objective, "mean": winner.objective, "ci_low": winner.estimate.ci_low,
-            "ci_high": winner.estimate.ci_high, "processes": len(winner.runs) or 1,
+            "ci_high": winner.estimate.ci_high, "processes": winner.processes,
             "useful_tokens_per_step_per_device": sum(tokens) / len(tokens) / campaign.spec.hardware.gpus_per_trial}
 
 
@@ -311,7 +310,11 @@ def main() -> None:
     if args.summarise:
         earlier = json.loads(args.summarise.read_text())
         earlier["winner_across_processes"] = winner_across_processes(earlier["runs"], earlier["steps"])
-        earlier["winner_claim"] = claim = winner_claim(Path(args.run_dir or earlier["run_dir"]))
+        path = args.run_dir or Path(earlier["run_dir"])
+        run_dir, winner = open_run_dir(path), load_report(path).winner
+        if winner is None:
+            raise SystemExit(f"{path} has no winner")
+        earlier["winner_claim"] = claim = winner_claim(run_dir, run_dir.load_campaign(check_inputs=False), winner)
         earlier["pasted_against_claim"] = pasted_against_claim(earlier["runs"], claim)
         args.summarise.write_text(json.dumps(earlier, indent=1, default=str))
         print(json.dumps({key: earlier[key] for key in ("winner_across_processes", "winner_claim",
@@ -320,7 +323,8 @@ def main() -> None:
     if args.run_dir is None or args.out is None:
         parser.error("RUN_DIR and --out are required")
 
-    campaign = open_run_dir(args.run_dir).load_campaign()
+    run_dir = open_run_dir(args.run_dir)
+    campaign = run_dir.load_campaign()
     spec, report = campaign.recipe, load_report(args.run_dir)
     if spec is None or report.winner is None:
         raise SystemExit(f"{args.run_dir} is not a finished bridge campaign (no recipe or no winner)")
@@ -329,7 +333,7 @@ def main() -> None:
     warmup, cap = campaign.spec.stages.warmup_steps, campaign.spec.hardware.memory_cap_fraction
     winner_line = exported_line(args.run_dir)
     bring_up = report.bring_up.config.to_plain() if report.bring_up is not None else None
-    claimed, claim = report.gain_over_bring_up(), winner_claim(args.run_dir)
+    claimed, claim = report.gain_over_bring_up(), winner_claim(run_dir, campaign, report.winner)
     result = {
         "run_dir": str(args.run_dir), "recipe": spec.recipe, "steps": args.steps, "warmup_steps": warmup,
         "memory_cap_fraction": cap,

@@ -86,7 +86,7 @@ def _report(campaign: Campaign, outcome: CampaignOutcome) -> None:
             entry.space,
             f"{entry.objective:,.1f}" if entry.objective is not None else "-",
             f"{estimate.ci_low:,.1f}–{estimate.ci_high:,.1f}" if estimate else "-",
-            str(len(entry.runs) or 1),
+            str(entry.processes),
             str(estimate.window) if estimate else "-",
             knobs(entry),
         )

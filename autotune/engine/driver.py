@@ -311,7 +311,7 @@ def _write_winner(run_dir: RunDir, campaign: Campaign, verdict: Verdict) -> None
         "campaign": campaign.spec.name,
         "objective": {"metric": campaign.spec.objective, "mean": winner.objective, "ci_low": estimate.ci_low,
                       "ci_high": estimate.ci_high, "confidence": estimate.confidence, "steady_steps": estimate.window,
-                      "processes": len(winner.runs) or 1,
+                      "processes": winner.processes,
                       "process_spread": None if verdict.spread is None else asdict(verdict.spread)},
         "verdict": verdict.summary,
         "tied_with": [e.config.to_plain() for e in verdict.tied],

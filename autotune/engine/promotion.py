@@ -123,7 +123,7 @@ def gain_at_equal_fidelity(winner: TrialEntry, baseline: TrialEntry) -> Gain | N
     if winner.estimate is None or baseline.estimate is None or baseline.outcome != "ok" or winner.steps != baseline.steps:
         return None
     gain = gain_between(winner.estimate, baseline.estimate, winner.steps)
-    processes = min(len(winner.runs) or 1, len(baseline.runs) or 1)
+    processes = min(winner.processes, baseline.processes)
     return gain if gain is None or processes == 1 else replace(gain, processes=processes)
 
 
@@ -232,7 +232,7 @@ def leaderboard(entries: list[TrialEntry], verdict: Verdict) -> Leaderboard:
             rank=rank, trial_id=entry.trial_id, config=entry.config, outcome=entry.outcome, objective=entry.objective,
             ci_low=entry.estimate.ci_low if entry.estimate else None,
             ci_high=entry.estimate.ci_high if entry.estimate else None,
-            space=entry.space, steps=entry.steps, processes=len(entry.runs) or 1,
+            space=entry.space, steps=entry.steps, processes=entry.processes,
             steady_steps=entry.estimate.window if entry.estimate else None,
             screen_objective=screened.get(entry.config),
             winner=verdict.winner is not None and entry.trial_id == verdict.winner.trial_id,

@@ -95,6 +95,11 @@ class TrialEntry(BaseModel):
     finished_at: datetime
 
     @property
+    def processes(self) -> int:
+        """How many fresh-process runs this entry stands for (``runs``; one when it is a single run)."""
+        return len(self.runs) or 1
+
+    @property
     def screened_ok(self) -> bool:
         """A finished screen with a steady estimate: a candidate for the best and for promotion."""
         return self.launched and self.stage == "screen" and self.outcome == "ok" and self.estimate is not None

@@ -208,11 +208,11 @@ class ListSearcher(_StageSearcher):
         the config's runs still to come in other fresh processes are dropped, not spent."""
         if entry.outcome == "ok":
             return
-        same = [p for p in self.pending if (p.space, p.config) == (launch.space, launch.config)]
-        if same:
-            self.pending = [p for p in self.pending if (p.space, p.config) != (launch.space, launch.config)]
-            log.info("promotion: %d more run(s) of %s dropped: one ended %s", len(same), launch.config.describe(),
-                     entry.outcome)
+        kept = [p for p in self.pending if (p.space, p.config) != (launch.space, launch.config)]
+        if len(kept) < len(self.pending):
+            log.info("promotion: %d more run(s) of %s dropped: one ended %s", len(self.pending) - len(kept),
+                     launch.config.describe(), entry.outcome)
+            self.pending = kept
 
 
 class ScreeningScheduler(_DriverOnly, FIFOScheduler):
