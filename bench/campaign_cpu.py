@@ -63,6 +63,8 @@ def main() -> None:
         # teardown), from steps.jsonl: the same figure for a run whose trials predate the spend's
         "outside_steps_per_trial": outside,
         "median_trial_outside_steps": statistics.median(outside) if outside else None,
+        # how each launched trial's ranks started: forked from the node's warm zygote, or cold
+        "rank_start": Counter(e.contract.rank_start for e in run.entries if e.launched and e.contract is not None),
         "objective": "useful_tokens_per_s_per_gpu",
         "bring_up_screen": None if bring_up is None else {"objective": bring_up.objective, "outcome": bring_up.outcome},
         "bring_up_promoted": None if bring_up_long is None else bring_up_long.to_json(),

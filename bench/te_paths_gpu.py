@@ -95,8 +95,8 @@ def main() -> None:
         if args.only and not any(part in name for part in args.only):
             continue
         if "blocking launches" in name and os.environ.get("CUDA_LAUNCH_BLOCKING") != "1":
-            # Ranks fork from a forkserver started with this process's environment: the variable
-            # reaches them only through a process started with it.
+            # Only this config runs with blocking launches: a child process of this script runs it
+            # with the variable set (ranks take the environment of the process that launches them).
             report["results"].append(_run_blocking(name, args))
             (args.out / "te_paths_gpu.json").write_text(json.dumps(report, indent=2, default=str))
             continue

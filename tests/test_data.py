@@ -182,8 +182,8 @@ def test_shards_prepare_for_megatron_energon(tmp_path: Path) -> None:
 
 
 def _first_batch_from_a_loader_worker(folder: str, out) -> None:
-    """In a process the launcher's forkserver started, as a rank is: the loader's workers' start
-    method and whether they delivered a micro-batch."""
+    """In a process a forkserver started (Python 3.14's default start method): the loader's
+    workers' start method and whether they delivered a micro-batch."""
     from trainables.data.loader import make_loader
 
     loader = make_loader(PackedVLMDataset(Path(folder), TINY, seq_length=512, micro_batch_size=2), num_workers=1)

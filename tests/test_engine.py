@@ -43,6 +43,8 @@ def test_campaign_writes_every_output(campaign_run) -> None:
         assert len([s for s in steps if s.trial_id == entry.trial_id]) == entry.steps
         if entry.outcome in ("ok", "pruned"):
             assert entry.contract.data.realism == "real" and entry.contract.steady_window
+            # ranks forked from the node's zygote, which the campaign kept across its trials
+            assert entry.contract.rank_start == "warm"
     spend = json.loads((run_dir / "spend.json").read_text())
     assert spend["total"] == pytest.approx(sum(e.device_seconds for e in records))
     assert "winner" in result.stdout and str(run_dir) in result.stdout

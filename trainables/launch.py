@@ -1,31 +1,35 @@
 """Start a burst's ranks on this machine: in-process for one rank of a trainable that allows it,
-processes over gloo (CPU) or NCCL (one GPU each) otherwise. Rank processes fork from a forkserver
-that has already imported torch and the native trainable, so a burst does not pay their import
-(seconds per rank) each time; the launching process itself (a trial's) does not import torch
-at all unless it runs the rank in-process. A Ray Train worker group starts ranks instead and calls
-the same rank runner (:func:`trainables.rank_runner`)."""
+processes over gloo (CPU) or NCCL (one GPU each) otherwise. Rank processes fork from a zygote
+(:mod:`trainables.zygote`) that has already imported torch and the trainables, so a burst does not
+pay those imports (seconds per rank): the node's, which a campaign keeps warm across its trials, or
+one this process starts on its first burst and keeps. The launching process itself (a trial's) does
+not import torch at all unless it runs the rank in-process. A Ray Train worker group starts ranks
+instead and calls the same rank runner (:func:`trainables.rank_runner`)."""
 
 from __future__ import annotations
 
-import ctypes
 import multiprocessing as mp
 import os
 import pickle
-import queue
 import signal
 import socket
-import sys
 import tempfile
 import time
 import traceback
+from dataclasses import replace
 from datetime import timedelta
+from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from autotune.core.contract import BurstRequest, BurstResult, Reporter, StepReport
 from autotune.core.registry import rank_runner, trainable_support
+from trainables import zygote
+from trainables.zygote import Zygote, ZygoteChild
 
 if TYPE_CHECKING:
+    import subprocess
+
     import torch
 
 RANK_TIMEOUT = timedelta(minutes=5)
@@ -53,36 +57,34 @@ def cpu_threads_per_rank(world_size: int) -> int:
 
 
 class _RelayedReporter:
-    """Rank 0's reporter in a spawned rank: sends each record to the launcher and waits for its
+    """Rank 0's reporter in a rank process: sends each report to the launcher and waits for its
     verdict, so a stop decided by the caller takes effect at exactly the step it saw."""
 
-    def __init__(self, records: mp.Queue, verdicts: mp.Queue) -> None:
-        self.records, self.verdicts = records, verdicts
+    def __init__(self, relay: Connection) -> None:
+        self.relay = relay
 
     def __call__(self, report: StepReport) -> bool:
-        self.records.put(report)
-        return self.verdicts.get()
+        self.relay.send(report)
+        return self.relay.recv()
 
 
-_CONTEXT = mp.get_context("forkserver")
-_CONTEXT.set_forkserver_preload(["trainables.native.burst"])
+_own_zygote: tuple[Zygote, subprocess.Popen] | None = None
 
 
-def _die_with_parent() -> None:
-    """Linux: this rank gets SIGKILL when its parent (the forkserver, which exits with the
-    launching process) dies, so no rank outlives a trial killed by its scheduler or a driver
-    killed with SIGKILL."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+def _this_process_zygote() -> tuple[Zygote, Literal["warm", "cold"]]:
+    """This process's own zygote, started on its first burst: that burst's ranks start cold."""
+    global _own_zygote
+    if _own_zygote is not None and _own_zygote[1].poll() is None:
+        return _own_zygote[0], "warm"
+    address = str(Path(tempfile.mkdtemp(prefix="ranks-"), "zygote"))
+    _own_zygote = Zygote(address), zygote.start(address)
+    return _own_zygote[0], "cold"
 
 
 def _rank_main(
-    trainable: str, rank: int, world_size: int, port: int, request: BurstRequest, out_dir: str,
-    reporter: Reporter | None,
+    relay: Connection, trainable: str, rank: int, world_size: int, port: int, request: BurstRequest, out_dir: str,
+    relayed: bool,
 ) -> None:
-    _die_with_parent()
-    if os.getppid() == 1:  # orphaned before the signal was armed
-        return
     import torch
     import torch.distributed as dist
 
@@ -96,7 +98,8 @@ def _rank_main(
             backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=RANK_TIMEOUT
         )
         try:
-            result = rank_runner(trainable)(request, device, reporter if rank == 0 else None)
+            reporter = _RelayedReporter(relay) if relayed and rank == 0 else None
+            result = rank_runner(trainable)(request, device, reporter)
         finally:
             dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - a rank that cannot start reports why instead of an exit code
@@ -104,44 +107,52 @@ def _rank_main(
     Path(out_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
 
 
-def run_local(request: BurstRequest, reporter: Reporter | None = None, trainable: str = "native") -> BurstResult:
+def run_local(request: BurstRequest, reporter: Reporter | None = None, trainable: str = "native",
+              warm_ranks: str | None = None) -> BurstResult:
     """Run a burst of ``trainable`` on ``request.world_size`` local ranks; merge the ranks' outcomes.
 
     ``reporter`` is called here, in the caller's process, with every step's report (rank 0's
     aggregate); returning ``False`` stops every rank after that step (outcome ``pruned``). One
     uncapped rank runs in the caller's process unless the trainable needs a fresh process.
+    ``warm_ranks`` is the socket of a zygote that outlives this process (a campaign's, on this
+    node): where it listens, every rank forks from it, one rank too (a fork that holds torch's
+    imports starts faster than this process can import them). The contract says how the ranks
+    started (``rank_start``).
     """
-    if (request.world_size == 1 and request.cpu_memory_cap_bytes is None
+    warm = Zygote(warm_ranks) if warm_ranks is not None else None
+    if warm is not None and not warm.listening():
+        warm = None
+    if (warm is None and request.world_size == 1 and request.cpu_memory_cap_bytes is None
             and not trainable_support(trainable).fresh_process):
         import torch
 
         torch.set_num_threads(cpu_threads_per_rank(1))
-        return rank_runner(trainable)(request, device_for(0), reporter)
+        return _with_rank_start(rank_runner(trainable)(request, device_for(0), reporter), "in_process")
     # More ranks, a CPU memory cap (it bounds the address space a process *adds*, and the
-    # caller's heap may hold freed memory the burst would reuse uncounted), or a trainable with
-    # process-global state: the ranks start in fresh processes.
+    # caller's heap may hold freed memory the burst would reuse uncounted), a trainable with
+    # process-global state, or a warm zygote: the ranks start in fresh processes.
+    source, start = (warm, "warm") if warm is not None else _this_process_zygote()
     with tempfile.TemporaryDirectory(prefix="burst-") as out_dir:
-        reports, verdicts = _CONTEXT.Queue(), _CONTEXT.Queue()
-        relay = _RelayedReporter(reports, verdicts) if reporter is not None else None
         port = _free_port()
-        processes = [
-            _CONTEXT.Process(
-                target=_rank_main, args=(trainable, rank, request.world_size, port, request, out_dir, relay)
-            )
-            for rank in range(request.world_size)
-        ]
+        processes: list[ZygoteChild] = []
+        relays: list[Connection] = []
         stragglers: set[int] = set()
         try:
-            for process in processes:
-                process.start()
-            stragglers = _supervise(processes, reports, verdicts, reporter)
+            for rank in range(request.world_size):
+                ours, theirs = mp.Pipe()
+                relays.append(ours)
+                with theirs:
+                    processes.append(source.fork(
+                        "trainables.launch:_rank_main",
+                        (trainable, rank, request.world_size, port, request, out_dir, reporter is not None), theirs,
+                    ))
+            stragglers = _supervise(processes, relays[0], reporter, start)
         finally:
             for process in processes:
-                if process.pid is None:  # never started
-                    continue
-                if process.is_alive():
-                    process.kill()
+                process.kill()
                 process.join()
+            for relay in relays:
+                relay.close()
         results = []
         for rank, process in enumerate(processes):
             path = Path(out_dir, f"rank{rank}.pkl")
@@ -149,7 +160,15 @@ def run_local(request: BurstRequest, reporter: Reporter | None = None, trainable
                 results.append(pickle.loads(path.read_bytes()))
             elif rank not in stragglers:
                 results.append(BurstResult(outcome="failed", error=_exit_reason(rank, process.exitcode)))
-    return merge_rank_results(results)
+        if len(processes) < request.world_size:  # a rank could not be forked: its peers wait for it in vain
+            results.append(BurstResult(outcome="failed", error=f"rank {len(processes)} could not be started"))
+    return _with_rank_start(merge_rank_results(results), start)
+
+
+def _with_rank_start(result: BurstResult, start: str) -> BurstResult:
+    if result.contract is None:
+        return result
+    return replace(result, contract=result.contract.model_copy(update={"rank_start": start}))
 
 
 def _exit_reason(rank: int, exitcode: int | None) -> str:
@@ -158,7 +177,7 @@ def _exit_reason(rank: int, exitcode: int | None) -> str:
     return f"rank {rank} exited with code {exitcode} before reporting"
 
 
-def _supervise(processes: list, reports: mp.Queue, verdicts: mp.Queue, reporter: Reporter | None) -> set[int]:
+def _supervise(processes: list[ZygoteChild], relay: Connection, reporter: Reporter | None, start: str) -> set[int]:
     """Relay rank 0's reports to ``reporter`` until every rank exits; kill ranks left stuck
     after another one exited (they wait in a collective for a rank that is gone) and return them."""
     first_exit: float | None = None
@@ -166,11 +185,15 @@ def _supervise(processes: list, reports: mp.Queue, verdicts: mp.Queue, reporter:
     while any(process.is_alive() for process in processes):
         if reporter is None:
             time.sleep(0.2)
-        else:
+        elif relay.poll(0.2):
             try:
-                verdicts.put(bool(reporter(reports.get(timeout=0.2))))
-            except queue.Empty:
-                pass
+                report: StepReport = relay.recv()
+            except EOFError:  # rank 0 ended
+                reporter = None
+                continue
+            if report.contract is not None:
+                report = replace(report, contract=report.contract.model_copy(update={"rank_start": start}))
+            relay.send(bool(reporter(report)))
         if first_exit is None and any(not process.is_alive() for process in processes):
             first_exit = time.monotonic()
         if first_exit is not None and time.monotonic() - first_exit > STRAGGLER_GRACE_SECONDS:

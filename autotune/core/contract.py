@@ -261,6 +261,10 @@ class Contract(_Record):
     recipe_overrides: tuple[str, ...] | None = None
     """Every override the ``bridge`` burst applied to the recipe, the user's first: its config is
     the recipe with exactly these."""
+    rank_start: Literal["in_process", "cold", "warm"] | None = None
+    """How the burst's ranks started: in the trial's own process, or forked from a zygote that held
+    torch and the trainables' imports, one that was started for this burst (``cold``) or one already
+    running (``warm``: a campaign's, kept on each node across its trials). Start-up costs differ."""
     steady_window: SteadyWindow | None = None
 
     def to_json(self) -> dict[str, Any]:

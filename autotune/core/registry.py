@@ -17,6 +17,8 @@ from autotune.core.contract import BurstRequest, BurstResult, Reporter, Trainabl
 from autotune.core.errors import AutotuneError
 
 if TYPE_CHECKING:
+    import subprocess
+
     import torch
 
 REPLAY = "replay"
@@ -47,13 +49,14 @@ def trainable_support(name: str) -> TrainableSupport:
     return _load(entry.support)
 
 
-def burst_runner(name: str) -> Callable[[BurstRequest, Reporter | None], BurstResult]:
+def burst_runner(name: str, warm_ranks: str | None = None) -> Callable[[BurstRequest, Reporter | None], BurstResult]:
     """The function that runs one burst of the trainable ``name`` on this machine's devices:
-    ``runner(request, reporter=None)``."""
+    ``runner(request, reporter=None)``. Rank processes fork from the zygote listening at
+    ``warm_ranks`` where one does (see :mod:`trainables.zygote`)."""
     if name == REPLAY:
         return _load("trainables.replay.burst:run_replay")
     trainable_support(name)  # an unknown name is a clear error here
-    return functools.partial(_load("trainables.launch:run_local"), trainable=name)
+    return functools.partial(_load("trainables.launch:run_local"), trainable=name, warm_ranks=warm_ranks)
 
 
 def rank_runner(name: str) -> Callable[[BurstRequest, "torch.device", Reporter | None], BurstResult]:
@@ -62,6 +65,12 @@ def rank_runner(name: str) -> Callable[[BurstRequest, "torch.device", Reporter |
     if name not in TRAINABLES:
         raise AutotuneError(f"unknown trainable {name!r}; known trainables: {', '.join(TRAINABLES)}")
     return _load(TRAINABLES[name].rank_runner)
+
+
+def start_rank_zygote(address: str) -> "subprocess.Popen":
+    """Start a process that holds torch's and the trainables' imports and forks burst ranks on
+    request, listening at ``address``; it ends with the calling process (``trainables.zygote``)."""
+    return _load("trainables.zygote:start")(address)
 
 
 def _load(reference: str):

@@ -13,7 +13,7 @@ import errno
 import logging
 import os
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Iterator
 
@@ -37,6 +37,7 @@ from autotune.engine.rundir import (
     LEADERBOARD_FILE, PROBE_FILE, SPEND_FILE, WINNER_FILE, RunDir, open_run_dir,
 )
 from autotune.engine.trial import TrialJob, run_trial
+from autotune.engine.warm_ranks import warm_ranks
 from autotune.export import document
 from autotune.memory_model import MemoryModel
 from autotune.search.proposer import Proposer
@@ -84,23 +85,26 @@ def run_campaign(campaign: Campaign, run_dir: RunDir, view: LiveView) -> Campaig
         benchmark_only=spec.data.realism == "mock",
     )
     job = _trial_job(campaign, run_dir)
-    limit = memory_limit_bytes(campaign, probes)
-    planner = _domain_planner(job, view)
-    _tune_space(campaign, campaign.space, campaign.spec.name, run_dir, ledger, job, view, limit, planner)
-    if campaign.next_space is not None:
-        headroom = projected_headroom(ledger.launched("promote", campaign.space.name),
-                                      campaign.next_space.reachable.model_tflops_per_s_per_gpu)
-        threshold = spec.workflow.min_headroom
-        if headroom is None:
-            view.note(f"{campaign.next_space.name} skipped: {campaign.space.name} promoted nothing to project from")
-        elif headroom <= threshold:
-            view.note(f"{campaign.next_space.name} skipped: projected headroom {100 * headroom:+.1f}% "
-                      f"is within the {100 * threshold:.0f}% threshold")
-        else:
-            view.note(f"{campaign.next_space.name}: projected headroom {100 * headroom:+.1f}% "
-                      f"(over {100 * threshold:.0f}%), tuning it")
-            _tune_space(campaign, campaign.next_space, f"{spec.name}:{campaign.next_space.name}", run_dir, ledger,
-                        job, view, limit, planner)
+    # Local trials fork their ranks from a zygote per node that outlives them (start-up cost).
+    with warm_ranks(job.launcher == "local" and job.trainable != REPLAY) as token:
+        job = replace(job, warm_ranks=token)
+        limit = memory_limit_bytes(campaign, probes)
+        planner = _domain_planner(job, view)
+        _tune_space(campaign, campaign.space, campaign.spec.name, run_dir, ledger, job, view, limit, planner)
+        if campaign.next_space is not None:
+            headroom = projected_headroom(ledger.launched("promote", campaign.space.name),
+                                          campaign.next_space.reachable.model_tflops_per_s_per_gpu)
+            threshold = spec.workflow.min_headroom
+            if headroom is None:
+                view.note(f"{campaign.next_space.name} skipped: {campaign.space.name} promoted nothing to project from")
+            elif headroom <= threshold:
+                view.note(f"{campaign.next_space.name} skipped: projected headroom {100 * headroom:+.1f}% "
+                          f"is within the {100 * threshold:.0f}% threshold")
+            else:
+                view.note(f"{campaign.next_space.name}: projected headroom {100 * headroom:+.1f}% "
+                          f"(over {100 * threshold:.0f}%), tuning it")
+                _tune_space(campaign, campaign.next_space, f"{spec.name}:{campaign.next_space.name}", run_dir, ledger,
+                            job, view, limit, planner)
     verdict = decide(ledger.launched("promote"))
     run_dir.write_json(LEADERBOARD_FILE, leaderboard(ledger.entries, verdict).model_dump(mode="json"))
     spend = ledger.spend()

@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
+import ray
 from pydantic import BaseModel, ConfigDict
 from ray import tune
 
@@ -34,6 +35,7 @@ from autotune.core.contract import (
 from autotune.core.knobs import complete_config
 from autotune.core.registry import REPLAY, burst_runner, rank_runner
 from autotune.engine.placement import NVLINK_DOMAIN_LABEL, label_selectors
+from autotune.engine.warm_ranks import zygote_address
 
 
 TRIAL_DRIVER_CPU = 0.01
@@ -64,6 +66,9 @@ class TrialJob:
     """The campaign's ``data.source``: built-in photos are built on first use on each node."""
     max_concurrent: int | None = None
     """At most this many trials at once (a replay keeps the recorded cluster's concurrency)."""
+    warm_ranks: str | None = None
+    """The campaign's token for its nodes' rank zygotes (:mod:`autotune.engine.warm_ranks`), which
+    ``local`` trials fork their ranks from; ``None``: each trial starts its own."""
 
     def request_for(self, params: dict[str, Any]) -> BurstRequest:
         request = replace(self.request, config=complete_config(params["config"]), steps=params["steps"])
@@ -176,7 +181,9 @@ def run_trial(params: dict[str, Any], job: TrialJob) -> None:
     request = job.request_for(params)
     reporter = _TuneReporter(job)
     if job.launcher == "local":
-        result = burst_runner(job.trainable)(request, reporter)
+        warm = None if job.warm_ranks is None else zygote_address(job.warm_ranks,
+                                                                   ray.get_runtime_context().get_node_id())
+        result = burst_runner(job.trainable, warm)(request, reporter)
         if not reporter.stopped:
             tune.report(end_result(result))
         return

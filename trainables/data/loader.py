@@ -274,10 +274,11 @@ class PackedVLMDataset(IterableDataset):
 def make_loader(dataset: PackedVLMDataset, num_workers: int, prefetch_factor: int = 4) -> DataLoader:
     """Workers build whole micro-batches; ``batch_size=None`` passes them through unchanged.
 
-    Workers are forked from the rank where the platform can fork. A rank started by our launcher's
-    forkserver inherits its start method, and a forkserver worker would start a forkserver of its
-    own and import torch, PIL and this module again before its first sample: a CPU demo burst spent
-    12.7 s outside its steps with them, 5.2 s without (``bench/burst_startup.py``). A forked worker
+    Workers are forked from the rank where the platform can fork. A rank started by a forkserver
+    (our launcher's, before its zygote; Python 3.14's default start method) inherits that start
+    method, and a forkserver worker would start a forkserver of its own and import torch, PIL and
+    this module again before its first sample: a CPU demo burst spent 12.7 s outside its steps with
+    them, 5.2 s without (``bench/burst_startup.py``). A forked worker
     has them already; it never touches CUDA (the rank pins and moves each batch), which is what
     makes forking a CUDA rank safe."""
     return DataLoader(

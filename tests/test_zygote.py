@@ -1,0 +1,130 @@
+"""Warm rank processes: bursts whose ranks fork from a zygote that outlives them run as a cold
+start runs, and nothing one burst does reaches the next."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from multiprocessing import Pipe
+from pathlib import Path
+
+import pytest
+
+from autotune.core.contract import BurstRequest, DataSpec
+from autotune.core.knobs import complete_config
+from autotune.core.steady import steady_state
+from trainables import launch, zygote
+from trainables.launch import run_local
+from trainables.zygote import Zygote
+from test_native import BASE, SPEC
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def burst(folder: Path, steps: int, **values) -> BurstRequest:
+    return BurstRequest(config=complete_config({**BASE, **values}), model=SPEC, data=DataSpec(str(folder)),
+                        steps=steps, world_size=2, data_workers=0)
+
+
+@pytest.fixture
+def warm(tmp_path_factory) -> str:
+    """A zygote of this test's own, started before any burst (as a campaign starts one per node)."""
+    address = str(tmp_path_factory.mktemp("zygote") / "z.sock")
+    process = zygote.start(address)
+    yield address
+    process.kill()
+    process.wait()
+
+
+def new_zygote(tmp_path: Path, name: str) -> str:
+    address = str(tmp_path / name)
+    zygote.start(address)  # ends with this test process
+    return address
+
+
+def test_a_warm_burst_after_another_config_matches_a_burst_from_a_new_zygote(photo_shards: Path, warm: str,
+                                                                          tmp_path: Path) -> None:
+    other = run_local(burst(photo_shards, 3, micro_batch_size=4, recompute_granularity="full"), warm_ranks=warm)
+    assert other.outcome == "ok", other.error
+    config = burst(photo_shards, 8, micro_batch_size=2, freeze_vision_model=True)
+    after_other = run_local(config, warm_ranks=warm)
+    from_new = run_local(config, warm_ranks=new_zygote(tmp_path, "fresh.sock"))
+    for result in (after_other, from_new):
+        assert result.outcome == "ok", result.error
+        assert result.contract.rank_start == "warm"
+    # Same seed, same data, same arithmetic: the same loss at every step, bit for bit.
+    assert [r.loss for r in after_other.records] == [r.loss for r in from_new.records]
+    # And the same speed: each mean within the other's steady interval, widened for this busy box.
+    rates = [steady_state([r.tokens_per_second for r in result.records], min_warmup=2)
+             for result in (after_other, from_new)]
+    assert all(rate is not None for rate in rates)
+    assert rates[0].mean == pytest.approx(rates[1].mean, rel=max(0.3, 3 * rates[1].relative_half_width))
+
+
+def test_an_oom_or_a_killed_rank_leaves_the_zygote_serving(photo_shards: Path, warm: str) -> None:
+    capped = run_local(replace(burst(photo_shards, 2, micro_batch_size=4), cpu_memory_cap_bytes=8 * 2**20),
+                       warm_ranks=warm)
+    assert capped.outcome == "oom", capped.error
+    ours, theirs = Pipe()
+    killed = Zygote(warm).fork("test_zygote:kill_self", (), theirs)
+    killed.join(timeout=30)
+    assert killed.exitcode == -signal.SIGKILL
+    after = run_local(burst(photo_shards, 2), warm_ranks=warm)
+    assert after.outcome == "ok" and after.contract.rank_start == "warm", after.error
+
+
+def test_a_zygote_that_is_gone_means_a_cold_start_not_a_failure(photo_shards: Path, tmp_path: Path,
+                                                               monkeypatch) -> None:
+    monkeypatch.setattr(launch, "_own_zygote", None)  # this process has started none yet
+    stale = tmp_path / "gone.sock"
+    process = zygote.start(str(stale))
+    process.kill()  # SIGKILL: its socket file stays behind
+    process.wait()
+    result = run_local(burst(photo_shards, 2), warm_ranks=str(stale))
+    assert result.outcome == "ok", result.error
+    assert result.contract.rank_start == "cold"  # from a zygote this process started for it
+
+
+def test_ranks_die_with_the_process_that_asked_for_them(warm: str) -> None:
+    """A trial killed by the scheduler (or a driver killed with SIGKILL) leaves no rank behind,
+    although the ranks are the zygote's children, not the trial's."""
+    asker = subprocess.Popen(
+        [sys.executable, "-c", (
+            "import sys, time\n"
+            "from multiprocessing import Pipe\n"
+            "from trainables.zygote import Zygote\n"
+            "ours, theirs = Pipe()\n"
+            f"child = Zygote({warm!r}).fork('test_zygote:wait_forever', (), theirs)\n"
+            "print(child.pid, flush=True)\n"
+            "time.sleep(600)\n")],
+        stdout=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"},
+    )
+    rank = int(asker.stdout.readline())
+    assert _running(rank)
+    asker.kill()
+    asker.wait()
+    deadline = time.monotonic() + 10
+    while _running(rank) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _running(rank)
+
+
+def kill_self(relay) -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def wait_forever(relay) -> None:
+    time.sleep(600)
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (the zygote reaps its children as they end)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
