@@ -45,6 +45,8 @@ def test_campaign_writes_every_output(campaign_run) -> None:
             assert entry.contract.data.realism == "real" and entry.contract.steady_window
             # ranks forked from the node's zygote, which the campaign kept across its trials
             assert entry.contract.rank_start == "warm"
+    # Tune handed each kept trial process to the next trial: none was ended before it started
+    assert not [e for e in records if e.cause == "not_started"]
     spend = json.loads((run_dir / "spend.json").read_text())
     assert spend["total"] == pytest.approx(sum(e.device_seconds for e in records))
     assert "winner" in result.stdout and str(run_dir) in result.stdout
@@ -491,3 +493,35 @@ def test_the_ledger_keeps_the_best_screen_and_the_spend_as_entries_arrive(tmp_pa
     assert ledger.entries[-1].origin == "frontier" and ledger.entries[-1].cause == "rules"
     assert Ledger(run_dir, world_size=2, warmup_steps=1, target_relative_half_width=0.02,
                   benchmark_only=False).best_entry() == ledger.best_entry()
+
+
+def test_a_trial_tune_ends_before_it_starts_is_told_to_the_searcher_and_runs_once_more(tmp_path) -> None:
+    """With actor reuse, Tune marks a trial ERROR without a word to the searcher when the process it
+    would reuse is still busy (Ray 2.60's ``_on_trial_reset``); the searcher would wait for it
+    forever. The guard records it ``not_started``, frees its slot, and the config runs again."""
+    from ray.tune.experiment import Trial
+    from ray.tune.search import ConcurrencyLimiter
+
+    from autotune.engine.ledger import Ledger
+    from autotune.engine.tune_roles import ListSearcher, NotStartedGuard
+
+    ledger = Ledger(RunDir(tmp_path), world_size=2, warmup_steps=1, target_relative_half_width=0.02,
+                    benchmark_only=False)
+    chosen = promotion_candidates([entry("a", "screen", 30.0, micro_batch_size=8)], 1, "s", 0.02)
+    searcher = ListSearcher(chosen, ledger, steps=50)
+    limiter = ConcurrencyLimiter(searcher, max_concurrent=1)
+    first = limiter.suggest("t0")
+    assert limiter.suggest("t1") is None  # the one slot is taken
+
+    class Errored:  # what the guard reads of Tune's trial
+        trial_id, status = "t0", Trial.ERROR
+
+    guard = NotStartedGuard(searcher, limiter)
+    guard.on_step_end(0, [Errored()])
+    (lost,) = ledger.entries
+    assert lost.outcome == "failed" and lost.cause == "not_started"
+    again = limiter.suggest("t1")  # the slot came back, and the config runs again
+    assert again["config"] == first["config"]
+    assert ledger.live["t1"].launch.retry_of == "t0"
+    guard.on_step_end(1, [Errored()])  # told once
+    assert len(ledger.entries) == 1

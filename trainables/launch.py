@@ -115,13 +115,11 @@ def run_local(request: BurstRequest, reporter: Reporter | None = None, trainable
     aggregate); returning ``False`` stops every rank after that step (outcome ``pruned``). One
     uncapped rank runs in the caller's process unless the trainable needs a fresh process.
     ``warm_ranks`` is the socket of a zygote that outlives this process (a campaign's, on this
-    node): where it listens, every rank forks from it, one rank too (a fork that holds torch's
-    imports starts faster than this process can import them). The contract says how the ranks
-    started (``rank_start``).
+    node). A caller that names one never runs a rank in its own process (a campaign's trial
+    process runs trial after trial): every rank forks from that zygote where it listens, from this
+    process's own otherwise. The contract says how the ranks started (``rank_start``).
     """
     warm = Zygote(warm_ranks) if warm_ranks is not None else None
-    if warm is not None and not warm.listening():
-        warm = None
     if (warm is None and request.world_size == 1 and request.cpu_memory_cap_bytes is None
             and not trainable_support(trainable).fresh_process):
         import torch
@@ -131,7 +129,7 @@ def run_local(request: BurstRequest, reporter: Reporter | None = None, trainable
     # More ranks, a CPU memory cap (it bounds the address space a process *adds*, and the
     # caller's heap may hold freed memory the burst would reuse uncounted), a trainable with
     # process-global state, or a warm zygote: the ranks start in fresh processes.
-    source, start = (warm, "warm") if warm is not None else _this_process_zygote()
+    source, start = (warm, "warm") if warm is not None and warm.listening() else _this_process_zygote()
     with tempfile.TemporaryDirectory(prefix="burst-") as out_dir:
         port = _free_port()
         processes: list[ZygoteChild] = []

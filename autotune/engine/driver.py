@@ -236,30 +236,36 @@ def _concurrency(job: TrialJob) -> int:
 def _run_stage(stage: Stage, job: TrialJob, run_dir: RunDir, view: LiveView, *,
                searcher, scheduler, samples: int, stopper, callbacks: list) -> None:
     """One Tune run; ``callbacks`` record every result (first: the view shows what they recorded)."""
-    from autotune.engine.tune_roles import ViewCallback
+    from ray.tune.search import ConcurrencyLimiter
+
+    from autotune.engine.tune_roles import NotStartedGuard, ViewCallback
 
     attempt = sum(1 for p in run_dir.ray_storage.glob(f"{stage}-*")) + 1 if run_dir.ray_storage.exists() else 1
     view.stage(stage)
     # fit() still looks for the files of Tune's default loggers (off: see below) to build a result
     # grid the campaign never reads, and warns of each trial's missing files: not news.
     logging.getLogger("ray.tune.analysis.experiment_analysis").setLevel(logging.ERROR)
+    # Trials whose ranks fork from the nodes' zygotes also reuse their own processes: a new Tune
+    # trial process costs 1.6-1.9 s of its slots on the CPU demo's box (Ray's actor start, Tune's
+    # setup); a reused one 0.2 s. Each burst's ranks are still new processes.
+    reuse = job.warm_ranks is not None
+    search_alg = ConcurrencyLimiter(searcher, max_concurrent=_concurrency(job))
     tuner = tune.Tuner(
         tune.with_resources(tune.with_parameters(run_trial, job=job), job.trial_resources()),
         tune_config=tune.TuneConfig(
-            search_alg=searcher,
+            search_alg=search_alg,
             scheduler=scheduler,
             num_samples=samples,
-            max_concurrent_trials=_concurrency(job),
-            # A trial process ends with its trial: stopped trials leave nothing behind in it, and a
-            # ray_train trial's worker group goes with it.
-            reuse_actors=False,
+            # A ray_train trial's process ends with its trial, and its worker group goes with it.
+            reuse_actors=reuse,
             trial_dirname_creator=lambda trial: trial.trial_id,
         ),
         run_config=tune.RunConfig(
             name=f"{stage}-{attempt}",
             storage_path=str(run_dir.ray_storage),
             stop=stopper,
-            callbacks=[*callbacks, ViewCallback(view.refresh)],
+            callbacks=[*callbacks, *([NotStartedGuard(searcher, search_alg)] if reuse else []),
+                       ViewCallback(view.refresh)],
             verbose=0,
             failure_config=tune.FailureConfig(max_failures=0),
         ),

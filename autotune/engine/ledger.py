@@ -46,6 +46,8 @@ class LiveTrial:
     """When its last result arrived (``time.monotonic``)."""
     hung: str | None = None
     """Why the watchdog killed it, once it has."""
+    not_started: str | None = None
+    """Why Tune ended it before its trainable ran, once it has."""
     error_text: Callable[[], str | None] = lambda: None
     """What Tune wrote of the trial's error (its ``error.txt``), once it failed."""
 
@@ -145,6 +147,8 @@ class Ledger:
     def _outcome(self, trial: LiveTrial, errored: bool) -> tuple[EntryOutcome, Cause | None, str]:
         if trial.hung is not None:
             return "hung", "watchdog", trial.hung
+        if trial.not_started is not None:
+            return "failed", "not_started", trial.not_started
         lost = node_lost(trial.end.error if trial.end is not None else None) or \
             (node_lost(trial.error_text()) if errored else None)
         if lost is not None:

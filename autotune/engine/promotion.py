@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict
 
 from autotune.core.knobs import Config, ConfigField
 from autotune.core.steady import ProcessSpread, SteadyEstimate, over_processes, process_spread
-from autotune.engine.records import EntryOutcome, Launch, TrialEntry
+from autotune.engine.records import RERUN_CAUSES, EntryOutcome, Launch, TrialEntry
 
 
 BRING_UP = "bring-up"
@@ -33,7 +33,7 @@ def promotion_candidates(entries: list[TrialEntry], top_k: int, space: str, marg
     fresh processes, round by round (every config once, then again), so that a drift of the machine
     falls on all alike; the runs a config already has count (a resumed campaign runs the rest)."""
     entries = [e for e in entries if e.space == space]
-    runs = Counter(e.config for e in entries if e.launched and e.stage == "promote" and e.cause != "node_lost")
+    runs = Counter(e.config for e in entries if e.launched and e.stage == "promote" and e.cause not in RERUN_CAUSES)
     screened = sorted((e for e in entries if e.screened_ok), key=lambda e: -e.objective)
     chosen: list[TrialEntry] = []
     seen: set[Config] = set()
@@ -64,7 +64,7 @@ def over_fresh_processes(promoted: list[TrialEntry]) -> tuple[list[TrialEntry], 
     no config ran twice, each run is its config's entry as it ran."""
     by_config: dict[tuple[str, Config], list[TrialEntry]] = defaultdict(list)
     for entry in promoted:
-        if entry.cause != "node_lost":  # its retry is the run
+        if entry.cause not in RERUN_CAUSES:  # its rerun is the run
             by_config[(entry.space, entry.config)].append(entry)
     finished = [[e.estimate.mean for e in runs] for runs in by_config.values()
                 if all(e.outcome == "ok" and e.estimate is not None for e in runs)]

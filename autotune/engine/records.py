@@ -26,11 +26,14 @@ from autotune.search.history import GateName, Origin
 Stage = Literal["screen", "promote"]
 EntryOutcome = Literal["ok", "oom", "invalid", "pruned", "failed", "hung", "oom_predicted"]
 """A burst's outcome, or ``invalid`` / ``oom_predicted`` for a proposal rejected before launch."""
-Cause = Literal["node_lost", "watchdog", "trial_raised", "no_outcome", "budget", GateName]
+Cause = Literal["node_lost", "not_started", "watchdog", "trial_raised", "no_outcome", "budget", GateName]
 """Why an entry ended as it did, where the outcome alone does not say: the trial's node died
-(``node_lost``: it runs once more), the hang watchdog killed it, the trial process raised, it ended
-without an outcome, the budget ran out under it; or which gate rejected a proposal (the rules, a
-config that ran out of memory with no more saving, the memory model)."""
+(``node_lost``: it runs once more), Tune ended it before it started (``not_started``: it runs once
+more), the hang watchdog killed it, the trial process raised, it ended without an outcome, the
+budget ran out under it; or which gate rejected a proposal (the rules, a config that ran out of
+memory with no more saving, the memory model)."""
+RERUN_CAUSES = frozenset({"node_lost", "not_started"})
+"""Ends that say nothing about the config: the trial runs once more, and only its rerun counts."""
 
 
 @dataclass(frozen=True)

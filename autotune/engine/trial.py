@@ -42,6 +42,11 @@ TRIAL_DRIVER_CPU = 0.01
 """What a ``ray_train`` trial's own process holds: it only waits for its worker group."""
 REPLAY_TRIAL_CPU = 0.01
 """What a replay trial holds: it reads a table; ``TrialJob.max_concurrent`` sets how many run at once."""
+REUSE_WAIT_S = 60
+"""How long Tune waits for a finished trial's thread (its burst's ranks ending) before it hands the
+trial's process to the next trial (``TUNE_FUNCTION_THREAD_TIMEOUT_S``, 2 s by default: too short for
+ranks that finish a step after a stop on a busy node). Ranks left stuck are killed after the
+launcher's straggler grace (10 s), so a burst ends well within it."""
 COLLECTIVE_TIMEOUT_S = 300
 RAY_TRAIN_POLL_INTERVAL_S = 0.1
 """How often a worker group's controller collects its ranks' reports. A rank's report queue holds
@@ -180,12 +185,17 @@ def run_trial(params: dict[str, Any], job: TrialJob) -> None:
     """The Tune function trainable."""
     request = job.request_for(params)
     reporter = _TuneReporter(job)
+    os.environ["TUNE_FUNCTION_THREAD_TIMEOUT_S"] = str(REUSE_WAIT_S)  # read when Tune reuses this process
     if job.launcher == "local":
         warm = None if job.warm_ranks is None else zygote_address(job.warm_ranks,
                                                                    ray.get_runtime_context().get_node_id())
         result = burst_runner(job.trainable, warm)(request, reporter)
-        if not reporter.stopped:
-            tune.report(end_result(result))
+        if reporter.stopped:
+            # Tune stopped the trial: end the thread as Tune's own report would have. Returning would
+            # make Tune's wrapper report once more, and that report would wait forever in a process
+            # Tune keeps for the next trial.
+            raise SystemExit(0)
+        tune.report(end_result(result))
         return
     _run_on_ray_train(job, request, params)
 

@@ -27,7 +27,7 @@ from ray.tune.search import Searcher
 from autotune.campaign import Campaign
 from autotune.engine.ledger import Ledger
 from autotune.engine.placement import DomainPlanner
-from autotune.engine.records import Launch, TrialEntry
+from autotune.engine.records import RERUN_CAUSES, Launch, TrialEntry
 from autotune.engine.trial import step_objective
 from autotune.search.history import Proposal
 from autotune.search.proposer import Proposer
@@ -70,7 +70,7 @@ class Budget:
     def _counted_screens(self) -> list[TrialEntry]:
         """The space's finished screens, in finishing order, less those that lost their node (a
         trial that lost its node is run again, and counted once)."""
-        return [e for e in self.ledger.launched("screen", self.space) if e.cause != "node_lost"]
+        return [e for e in self.ledger.launched("screen", self.space) if e.cause not in RERUN_CAUSES]
 
     def plateaued(self) -> str | None:
         """Why screening of the space has stopped paying (``patience`` screens in a row found
@@ -132,7 +132,7 @@ class _StageSearcher(_DriverOnly, Searcher):
             self.planner.release(trial_id)
         entry = self.ledger.finish(trial_id, errored=error)
         launch = self.running.pop(trial_id)
-        if entry.cause == "node_lost" and launch.retry_of is None:
+        if entry.cause in RERUN_CAUSES and launch.retry_of is None:
             self.retries.append((dataclasses.replace(launch, retry_of=trial_id), entry))
         else:
             self._ended(launch, entry)
@@ -317,6 +317,29 @@ class HangWatchdog(_DriverOnly, Callback):
 
     def on_trial_error(self, iteration: int, trials: list[Trial], trial: Trial, **info) -> None:
         self.running_since.pop(trial.trial_id, None)
+
+
+class NotStartedGuard(_DriverOnly, Callback):
+    """Tells the searcher of a trial that Tune ended before it started, which Tune itself never
+    does. With actor reuse, Tune hands a finished trial's process to the next trial only once the
+    finished trial's thread has ended (``TUNE_FUNCTION_THREAD_TIMEOUT_S``, which a trial sets to
+    ``REUSE_WAIT_S``); if it has not, Tune marks the next trial ERROR and stops it without a word to
+    the searcher (Ray 2.60, ``TuneController._on_trial_reset``), which would then wait for it
+    forever. Here it is recorded ``failed`` with the cause ``not_started`` and runs once more;
+    ``search_alg`` is what Tune was given (the concurrency limiter around the searcher), so the
+    trial's slot comes back too."""
+
+    def __init__(self, searcher: _StageSearcher, search_alg: Searcher) -> None:
+        self.searcher, self.search_alg = searcher, search_alg
+
+    def on_step_end(self, iteration: int, trials: list[Trial], **info) -> None:
+        for trial in trials:
+            live = self.searcher.ledger.live.get(trial.trial_id)
+            # Tune tells the searcher of every other error before it marks the trial ERROR.
+            if trial.status == Trial.ERROR and live is not None and trial.trial_id in self.searcher.running:
+                live.not_started = "Tune could not hand it the process of a trial whose burst was still ending"
+                log.warning("trial %s: %s; it runs once more", trial.trial_id, live.not_started)
+                self.search_alg.on_trial_complete(trial.trial_id, error=True)
 
 
 class ViewCallback(_DriverOnly, Callback):
