@@ -145,6 +145,11 @@ class HardwareSection(_Strict):
     cpu_memory_cap_gib: float | None = Field(default=None, gt=0)
     """CPU only: memory each rank may add once its model is built (``RLIMIT_AS``), so the OOM
     boundary of a CPU campaign is real: steps that need more fail to allocate."""
+    cpu_device_memory_gib: float | None = Field(default=None, gt=0)
+    """CPU only: each rank's device memory, counted in tensors (parameters, gradients and AdamW's
+    moments, and the activations a micro-batch saves for backward); a step that would hold more is
+    ``oom``. Unlike ``cpu_memory_cap_gib`` it does not see the allocator's freed blocks, which creep
+    with the heap's history: a config meets the same wall in a screen and in its promotion."""
     launcher: Launcher = "auto"
     """How a trial starts its ranks. ``ray_train``: a ``TorchTrainer`` worker group (any number of
     nodes); ``local``: processes the trial spawns on its own node (one node; no per-trial worker
@@ -157,8 +162,9 @@ class HardwareSection(_Strict):
         total = self.gpus_per_node * self.nodes
         if self.gpus_per_trial > total:
             raise ValueError(f"gpus_per_trial ({self.gpus_per_trial}) exceeds the cluster's {total} GPUs")
-        if self.cpu_memory_cap_gib is not None and self.accelerator != "cpu":
-            raise ValueError("cpu_memory_cap_gib applies to accelerator 'cpu'; on GPUs use memory_cap_fraction")
+        for name in ("cpu_memory_cap_gib", "cpu_device_memory_gib"):
+            if getattr(self, name) is not None and self.accelerator != "cpu":
+                raise ValueError(f"{name} applies to accelerator 'cpu'; on GPUs use memory_cap_fraction")
         if self.launcher == "local" and self.gpus_per_trial > self.gpus_per_node:
             raise ValueError("launcher 'local' runs a trial on one node, but gpus_per_trial exceeds gpus_per_node")
         return self
@@ -381,6 +387,8 @@ class Campaign:
             data_workers=hardware.data_workers,
             memory_cap_fraction=hardware.memory_cap_fraction,
             cpu_memory_cap_bytes=None if hardware.cpu_memory_cap_gib is None else int(hardware.cpu_memory_cap_gib * GIB),
+            cpu_device_memory_bytes=None if hardware.cpu_device_memory_gib is None
+            else int(hardware.cpu_device_memory_gib * GIB),
             replay_table=None if self.replay_table is None else str(self.replay_table),
             global_batch_size=spec.workload.global_batch_size,
             recipe=self.recipe,

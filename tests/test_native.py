@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from autotune.core.contract import BurstRequest, Contract, DataSpec, Evidence, InvalidConfig, StepRecord, StepReport
 from autotune.core.knobs import complete_config
@@ -426,3 +427,39 @@ def test_native_contract_json_has_exactly_the_keys_it_always_had(tmp_path: Path)
     assert written["flops_convention"] == CONVENTION and written["config"] == burst.config.to_plain()
     assert written["model"] == json.loads(SPEC.model_dump_json())
     assert Contract.model_validate(written).to_json() == written  # reads back exactly as written
+
+
+def test_counted_device_memory_counts_parameters_their_training_state_and_saved_activations() -> None:
+    from trainables.native.device_memory import CountedDeviceMemory
+
+    layer, frozen = nn.Linear(64, 32), nn.Linear(32, 8)
+    frozen.requires_grad_(False)
+    parameters = [*layer.parameters(), *frozen.parameters()]
+    memory = CountedDeviceMemory(2**30, parameters)
+    trained = sum(p.nbytes for p in layer.parameters())
+    assert memory.static_bytes == 4 * trained + sum(p.nbytes for p in frozen.parameters())  # + grad, 2 moments
+    x = torch.randn(16, 64)
+    with memory.micro_batch() as forward_done:
+        hidden = torch.relu(layer(x))  # saves x (not the weight: a parameter), and relu's output
+        loss = frozen(hidden).sum()  # saves hidden again: one storage, counted once
+        forward_done()
+        loss.backward()
+    assert memory.peak_bytes == memory.static_bytes + x.nbytes + hidden.nbytes
+    with pytest.raises(torch.OutOfMemoryError, match="over the rank's"):
+        CountedDeviceMemory(memory.static_bytes - 1, parameters)
+
+
+def test_a_step_over_the_counted_device_memory_is_oom_the_same_at_every_length(photo_shards: Path) -> None:
+    """The counted wall does not move with the process's heap: a config's peaks are the same in a
+    short and a long run, and a config that holds more meets the wall at its first step."""
+    roomy = replace(request(photo_shards, steps=2, world_size=2), cpu_device_memory_bytes=2**33)
+    short, longer = run_local(roomy), run_local(replace(roomy, steps=4))
+    assert short.outcome == longer.outcome == "ok", short.error or longer.error
+    assert [r.peak_memory_bytes for r in short.records] == [r.peak_memory_bytes for r in longer.records[:2]]
+    assert short.contract.hardware.counted_memory_bytes == 2**33
+    budget = short.records[-1].peak_memory_bytes + 2**20
+    fits = run_local(replace(roomy, cpu_device_memory_bytes=budget))
+    bigger = run_local(replace(roomy, config=complete_config({**BASE, "micro_batch_size": 4}),
+                               cpu_device_memory_bytes=budget))
+    assert fits.outcome == "ok", fits.error
+    assert bigger.outcome == "oom" and "counted device memory" in bigger.error and not bigger.records

@@ -31,6 +31,7 @@ def measurement_contract(
     timing: str,
     versions: Mapping[str, str | None] = MappingProxyType({}),
     cpu_threads_per_rank: int | None = None,
+    counted_memory_bytes: int | None = None,
     layer_spec: str | None = None,
     kernels: Mapping[str, bool] | None = None,
 ) -> Contract:
@@ -42,6 +43,7 @@ def measurement_contract(
         precision, timing: how the trainable computes and how it times a step, in words.
         versions: versions beyond Python's and torch's (megatron-core, Transformer Engine, CUDA).
         cpu_threads_per_rank: intra-op threads of each rank, where the CPU computes.
+        counted_memory_bytes: each rank's counted device memory, where peaks count tensors.
         layer_spec: megatron-core's layer specs, for a trainable built from them.
         kernels: the fused kernels it chose that no knob owns.
     """
@@ -49,7 +51,8 @@ def measurement_contract(
         trainable=trainable,
         versions={"python": platform.python_version(), "torch": torch.__version__, **versions},
         hardware=Hardware(device=_device_name(device), accelerator="cuda" if device.type == "cuda" else "cpu",
-                          world_size=world_size, **_given(cpu_threads_per_rank=cpu_threads_per_rank)),
+                          world_size=world_size, **_given(cpu_threads_per_rank=cpu_threads_per_rank,
+                                                          counted_memory_bytes=counted_memory_bytes)),
         model=request.model.model_dump(),
         data=DataProvenance(folder=request.data.folder, realism=request.data.realism, tokenizer=tokenizer.NAME),
         precision=precision,

@@ -194,6 +194,9 @@ class Hardware(_Record):
     """``cuda`` or ``cpu`` (what the trainable ran on; the campaign's label is in the probe)."""
     world_size: int
     cpu_threads_per_rank: int | None = None
+    counted_memory_bytes: int | None = None
+    """A CPU burst's counted device memory per rank (``BurstRequest.cpu_device_memory_bytes``):
+    where set, its peaks count tensors (``trainables/native/device_memory.py``), not the resident set."""
 
 
 class DataProvenance(_Record):
@@ -320,6 +323,11 @@ class BurstRequest:
     """On the CPU: address space each rank may add once its model and loader are built
     (``RLIMIT_AS``), so training steps that need more fail to allocate: a real OOM boundary.
     Capped ranks run in fresh processes, whose heaps hold no freed memory to reuse uncounted."""
+    cpu_device_memory_bytes: int | None = None
+    """On the CPU: the device memory each rank has, counted in tensors (parameters, gradients and
+    AdamW's moments, and the activations saved for backward: ``trainables/native/device_memory.py``);
+    a step that would hold more is ``oom``, at the same point at every step count and on every
+    machine, and peaks are reported in that count."""
     replay_table: str | None = None
     """The replay trainable's recorded table (``autotune/core/tables.py``); other trainables ignore it."""
     recipe: RecipeSpec | None = None

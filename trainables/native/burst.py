@@ -10,7 +10,7 @@ from __future__ import annotations
 import resource
 import time
 import traceback
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -34,6 +34,7 @@ from autotune.core.contract import (
 from trainables.data.loader import MicroBatch, rank_loader
 from trainables.measurement import measurement_contract
 from trainables.native.cuda_graphs import apply_cuda_graphs
+from trainables.native.device_memory import CountedDeviceMemory
 from trainables.native.model import GroupedExperts, MoEVLM
 from trainables.native.parallelize import (
     ParallelGroups,
@@ -69,6 +70,11 @@ class BurstRun:
     optimizer: torch.optim.Optimizer
     micro_batches: int
     """Micro-batches this replica accumulates into each optimizer step."""
+    memory: CountedDeviceMemory | None = None
+    """The rank's counted device memory (a CPU burst with ``cpu_device_memory_bytes``)."""
+
+    def peak_memory_bytes(self) -> int:
+        return self.memory.peak_bytes if self.memory is not None else peak_memory_bytes(self.device)
 
     @property
     def world_size(self) -> int:
@@ -146,8 +152,11 @@ def build_run(request: BurstRequest, device: torch.device) -> BurstRun:
                         "projector": (model.projector, model.projector.norm)}, device.type == "cuda")
     wrapped = apply_data_parallel(model, config, groups, expert_params, device)
     optimizer = torch.optim.AdamW([p for p in wrapped.parameters() if p.requires_grad], lr=1e-4)
+    memory = None
+    if request.cpu_device_memory_bytes is not None and device.type == "cpu":
+        memory = CountedDeviceMemory(request.cpu_device_memory_bytes, wrapped.parameters())
     return BurstRun(request, device, rank, model, wrapped, groups, expert_params, checkpoints, graphed, clock,
-                    batches, optimizer, micro_batches)
+                    batches, optimizer, micro_batches, memory)
 
 
 def run_rank(request: BurstRequest, device: torch.device, reporter: Reporter | None = None) -> BurstResult:
@@ -226,9 +235,10 @@ def _train_step(run: BurstRun, step: int, reporter: Reporter | None) -> tuple[St
         batch = next(run.batches)
         data_wait += time.perf_counter() - fetch
         batch = batch.to(device)
-        with _gradient_sync(run.wrapped, index == run.micro_batches - 1):
+        with _gradient_sync(run.wrapped, index == run.micro_batches - 1), _counted(run.memory) as forward_done:
             with _autocast(device):
                 out = run.wrapped(*batch.model_inputs())
+            forward_done()
             (out.loss / run.micro_batches).backward()
         batches.append(batch)
         losses.append(out.loss.detach())
@@ -239,10 +249,15 @@ def _train_step(run: BurstRun, step: int, reporter: Reporter | None) -> tuple[St
     # Every rank trains on its own batches: each counts them and reports its mean loss.
     local = LocalMeasures(
         step_seconds=step_seconds, data_wait_seconds=data_wait, vision_seconds=stages["vision"],
-        projector_seconds=stages["projector"], peak_memory_bytes=peak_memory_bytes(device),
+        projector_seconds=stages["projector"], peak_memory_bytes=run.peak_memory_bytes(),
         counts=count_batches(batches, request), loss=torch.stack(losses).mean().item(),
     )
     return finish_step(run, step, local, reporter)
+
+
+def _counted(memory: CountedDeviceMemory | None):
+    """Count what a micro-batch saves for backward where the rank's device memory is counted."""
+    return memory.micro_batch() if memory is not None else nullcontext(lambda: None)
 
 
 @contextmanager
@@ -297,4 +312,5 @@ def native_contract(request: BurstRequest, device: torch.device) -> Contract:
         precision="bf16 autocast" if cuda else "fp32",
         timing="cuda events (stages), wall clock (step)" if cuda else "wall clock",
         cpu_threads_per_rank=torch.get_num_threads(),
+        counted_memory_bytes=None if cuda else request.cpu_device_memory_bytes,
     )
