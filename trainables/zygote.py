@@ -44,9 +44,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 PRELOAD = ("trainables.native.burst", "torch._dynamo")
-"""What every child finds imported: torch and the native trainable (which the other trainables'
-ranks also import), and ``torch._dynamo``, which torch's optimizers import on first construction
-(0.76 s of a CPU demo rank's build)."""
+"""What every child finds imported: torch, the native trainable and our data code, and
+``torch._dynamo``, which torch's optimizers import on first construction (0.76 s of a CPU demo
+rank's build)."""
 READY = b"ready\n"
 
 

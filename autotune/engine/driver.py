@@ -85,26 +85,11 @@ def run_campaign(campaign: Campaign, run_dir: RunDir, view: LiveView) -> Campaig
         benchmark_only=spec.data.realism == "mock",
     )
     job = _trial_job(campaign, run_dir)
+    limit = memory_limit_bytes(campaign, probes)
     # Local trials fork their ranks from a zygote per node that outlives them (start-up cost).
     with warm_ranks(job.launcher == "local" and job.trainable != REPLAY) as token:
         job = replace(job, warm_ranks=token)
-        limit = memory_limit_bytes(campaign, probes)
-        planner = _domain_planner(job, view)
-        _tune_space(campaign, campaign.space, campaign.spec.name, run_dir, ledger, job, view, limit, planner)
-        if campaign.next_space is not None:
-            headroom = projected_headroom(ledger.launched("promote", campaign.space.name),
-                                          campaign.next_space.reachable.model_tflops_per_s_per_gpu)
-            threshold = spec.workflow.min_headroom
-            if headroom is None:
-                view.note(f"{campaign.next_space.name} skipped: {campaign.space.name} promoted nothing to project from")
-            elif headroom <= threshold:
-                view.note(f"{campaign.next_space.name} skipped: projected headroom {100 * headroom:+.1f}% "
-                          f"is within the {100 * threshold:.0f}% threshold")
-            else:
-                view.note(f"{campaign.next_space.name}: projected headroom {100 * headroom:+.1f}% "
-                          f"(over {100 * threshold:.0f}%), tuning it")
-                _tune_space(campaign, campaign.next_space, f"{spec.name}:{campaign.next_space.name}", run_dir, ledger,
-                            job, view, limit, planner)
+        _tune_spaces(campaign, run_dir, ledger, job, view, limit, _domain_planner(job, view))
     verdict = decide(ledger.launched("promote"))
     run_dir.write_json(LEADERBOARD_FILE, leaderboard(ledger.entries, verdict).model_dump(mode="json"))
     spend = ledger.spend()
@@ -112,6 +97,28 @@ def run_campaign(campaign: Campaign, run_dir: RunDir, view: LiveView) -> Campaig
     if verdict.winner is not None:
         _write_winner(run_dir, campaign, verdict)
     return CampaignOutcome(run_dir, verdict, spend)
+
+
+def _tune_spaces(campaign: Campaign, run_dir: RunDir, ledger: Ledger, job: TrialJob, view: LiveView,
+                 limit: float | None, planner: DomainPlanner | None) -> None:
+    """Tune the campaign's space, then its workflow's next space if the projected headroom pays."""
+    spec = campaign.spec
+    _tune_space(campaign, campaign.space, spec.name, run_dir, ledger, job, view, limit, planner)
+    if campaign.next_space is None:
+        return
+    headroom = projected_headroom(ledger.launched("promote", campaign.space.name),
+                                  campaign.next_space.reachable.model_tflops_per_s_per_gpu)
+    threshold = spec.workflow.min_headroom
+    if headroom is None:
+        view.note(f"{campaign.next_space.name} skipped: {campaign.space.name} promoted nothing to project from")
+    elif headroom <= threshold:
+        view.note(f"{campaign.next_space.name} skipped: projected headroom {100 * headroom:+.1f}% "
+                  f"is within the {100 * threshold:.0f}% threshold")
+    else:
+        view.note(f"{campaign.next_space.name}: projected headroom {100 * headroom:+.1f}% "
+                  f"(over {100 * threshold:.0f}%), tuning it")
+        _tune_space(campaign, campaign.next_space, f"{spec.name}:{campaign.next_space.name}", run_dir, ledger,
+                    job, view, limit, planner)
 
 
 def memory_limit_bytes(campaign: Campaign, probes: list[dict]) -> float | None:
@@ -246,8 +253,9 @@ def _run_stage(stage: Stage, job: TrialJob, run_dir: RunDir, view: LiveView, *,
     # grid the campaign never reads, and warns of each trial's missing files: not news.
     logging.getLogger("ray.tune.analysis.experiment_analysis").setLevel(logging.ERROR)
     # Trials whose ranks fork from the nodes' zygotes also reuse their own processes: a new Tune
-    # trial process costs 1.6-1.9 s of its slots on the CPU demo's box (Ray's actor start, Tune's
-    # setup); a reused one 0.2 s. Each burst's ranks are still new processes.
+    # trial process costs 1.96 s of its slots on the CPU demo's box (Ray's actor start, Tune's
+    # setup), a reused one 0.26 s (bench/tune_trial_overhead.py). Each burst's ranks are still new
+    # processes.
     reuse = job.warm_ranks is not None
     search_alg = ConcurrencyLimiter(searcher, max_concurrent=_concurrency(job))
     tuner = tune.Tuner(

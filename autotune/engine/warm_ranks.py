@@ -27,6 +27,10 @@ from autotune.core.registry import start_rank_zygote
 
 log = logging.getLogger(__name__)
 
+ZYGOTE_START_TIMEOUT_S = 120
+"""How long a node's zygote may take to start (its imports take seconds; a node that does not
+answer in this time runs its trials' ranks cold)."""
+
 
 def zygote_address(token: str, node_id: str) -> str:
     """Where node ``node_id``'s zygote of campaign ``token`` listens (a Unix socket: short path)."""
@@ -62,7 +66,7 @@ def warm_ranks(enabled: bool) -> Iterator[str | None]:
         ready = []
         for actor in actors:
             try:
-                ray.get(actor.pid.remote())
+                ray.get(actor.pid.remote(), timeout=ZYGOTE_START_TIMEOUT_S)
                 ready.append(actor)
             except ray.exceptions.RayError as exc:  # that node's trials start their ranks cold
                 log.warning("no warm rank zygote on a node: %s", exc)
