@@ -20,7 +20,7 @@ from dataclasses import replace
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 from autotune.core.contract import BurstRequest, BurstResult, Reporter, StepReport
 from autotune.core.registry import rank_runner, trainable_support
@@ -31,6 +31,8 @@ if TYPE_CHECKING:
     import subprocess
 
     import torch
+
+BurstResultOrReport = TypeVar("BurstResultOrReport", BurstResult, StepReport)
 
 RANK_TIMEOUT = timedelta(minutes=5)
 STRAGGLER_GRACE_SECONDS = 10.0
@@ -163,7 +165,8 @@ def run_local(request: BurstRequest, reporter: Reporter | None = None, trainable
     return _with_rank_start(merge_rank_results(results), start)
 
 
-def _with_rank_start(result: BurstResult, start: str) -> BurstResult:
+def _with_rank_start(result: BurstResultOrReport, start: str) -> BurstResultOrReport:
+    """``result`` (a burst's, or a step's report) with how its ranks started in its contract, if it has one."""
     if result.contract is None:
         return result
     return replace(result, contract=result.contract.model_copy(update={"rank_start": start}))
@@ -189,9 +192,7 @@ def _supervise(processes: list[ZygoteChild], relay: Connection, reporter: Report
             except EOFError:  # rank 0 ended
                 reporter = None
                 continue
-            if report.contract is not None:
-                report = replace(report, contract=report.contract.model_copy(update={"rank_start": start}))
-            relay.send(bool(reporter(report)))
+            relay.send(bool(reporter(_with_rank_start(report, start))))
         if first_exit is None and any(not process.is_alive() for process in processes):
             first_exit = time.monotonic()
         if first_exit is not None and time.monotonic() - first_exit > STRAGGLER_GRACE_SECONDS:

@@ -13,7 +13,7 @@ wall at any step count, on any machine; only a micro-batch with more image token
 
 Not counted: temporaries that autograd does not save, the transient activations a recomputed
 region saves again during backward, communication buffers and DDP's gradient buckets. It is a
-model of a device's memory, and the contract says so (``hardware.memory_measure``).
+model of a device's memory, and the contract says so (``hardware.counted_memory_bytes``).
 """
 
 from __future__ import annotations
