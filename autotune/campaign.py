@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -23,11 +23,15 @@ from autotune.core.errors import InputFileError
 from autotune.core.knobs import FREEZE_KNOBS_BY_PART, KNOBS, Config
 from autotune.core.model import ModelSpec
 from autotune.core.steady import MIN_WINDOW
+from autotune.core.tables import RankStart
 from autotune.resolve import resolve_checkpoint_model, resolve_model, resolve_trainable
 from autotune.rules import RuleContext
 from autotune.search import SamplerName
 from autotune.space import SearchSpace, WarmStart, load_space, resolve_space_path
 from autotune.yaml_io import load_file
+
+if TYPE_CHECKING:
+    from autotune.memory_model import MemoryModel
 
 Objective = Literal["useful_tokens_per_s_per_gpu", "model_tflops_per_s_per_gpu"]
 Launcher = Literal["auto", "local", "ray_train"]
@@ -170,6 +174,10 @@ class HardwareSection(_Strict):
         return self
 
     @property
+    def cpu_device_memory_bytes(self) -> int | None:
+        return None if self.cpu_device_memory_gib is None else int(self.cpu_device_memory_gib * GIB)
+
+    @property
     def resolved_launcher(self) -> Literal["local", "ray_train"]:
         if self.launcher != "auto":
             return self.launcher
@@ -301,6 +309,8 @@ class Campaign:
     replay_table: Path | None = None
     """Replay this recorded table instead of training (the search benchmark sets it): trials run
     the replay trainable on no device, charged the recorded device-seconds."""
+    replay_start: RankStart = "warm"
+    """Which recorded start-up a replay charges (``BurstRequest.replay_start``)."""
 
     @property
     def spaces(self) -> tuple[SearchSpace, ...]:
@@ -369,6 +379,14 @@ class Campaign:
         workload = self.spec.workload
         return [part for part, knob in FREEZE_KNOBS_BY_PART.items() if config[knob] and part not in workload.frozen]
 
+    def memory_model(self, limit_bytes: float | None) -> MemoryModel:
+        """The memory model of this campaign's trials (its model, trial size, global batch and the
+        trainable's bytes per parameter and activation on its accelerator), empty of peaks."""
+        from autotune.memory_model import MemoryModel
+
+        return MemoryModel(self.model, self.spec.hardware.gpus_per_trial, limit_bytes,
+                           self.spec.workload.global_batch_size, self.trainable.bytes_on(self.stack.accelerator))
+
     def burst_request(self, config: Config, steps: int) -> BurstRequest:
         """A burst of ``config`` as this campaign runs it: its model, data, trial size and caps
         (built-in photos are built on first use; a replay reads no data)."""
@@ -387,9 +405,9 @@ class Campaign:
             data_workers=hardware.data_workers,
             memory_cap_fraction=hardware.memory_cap_fraction,
             cpu_memory_cap_bytes=None if hardware.cpu_memory_cap_gib is None else int(hardware.cpu_memory_cap_gib * GIB),
-            cpu_device_memory_bytes=None if hardware.cpu_device_memory_gib is None
-            else int(hardware.cpu_device_memory_gib * GIB),
+            cpu_device_memory_bytes=hardware.cpu_device_memory_bytes,
             replay_table=None if self.replay_table is None else str(self.replay_table),
+            replay_start=self.replay_start,
             global_batch_size=spec.workload.global_batch_size,
             recipe=self.recipe,
         )

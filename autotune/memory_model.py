@@ -4,9 +4,10 @@ The analytic part counts, per device, the bytes each config changes:
 
 - *static*: weights, gradients and optimizer states under the config's sharding — dense decoder
   weights over TP x PP, experts over EP x ETP x PP, the vision stack over TP; a frozen part keeps
-  only its bf16 weights; megatron's bf16 training keeps 18 bytes per trainable parameter (bf16
-  weight, fp32 gradient, fp32 main weight, two fp32 Adam moments), all 18 sharded over data
-  parallel under FSDP (Megatron-FSDP or FSDP2), none under DDP; FP8 adds one byte per parameter of
+  only its weights; a trained parameter keeps what the trainable's precision keeps
+  (:class:`~autotune.core.contract.TrainingBytes`: megatron's bf16 training 18 bytes — bf16
+  weight, fp32 gradient, fp32 main weight, two fp32 Adam moments; the native trainable's fp32
+  16), all sharded over data parallel under FSDP (Megatron-FSDP or FSDP2), none under DDP; FP8 adds one byte per parameter of
   the decoder's linear layers (Transformer Engine's FP8 weight copies: +0.89 GiB measured at
   hidden 1,024 on the H200 where this count gives 0.79, ``bench/results/te_paths_gpu.json``);
 - *decoder activations* kept for backward, per micro-batch in flight on the first pipeline
@@ -32,6 +33,16 @@ the peaks finished trials report. (Fitting a factor on the static bytes too lets
 configs fit each other exactly and extrapolate badly: static memory barely varies within a layout.) Its error is the
 largest leave-one-out relative error over those trials (at least 10 %); a config is rejected only
 when even the prediction less that error exceeds the limit.
+
+A floor rejects from the first proposal on, before any peak: the counted static bytes and decoder
+activations at face value (a factor of 1: tensors that must exist, all live at the peak; what the
+count leaves out — the framework's buffers, the dispatcher's copies — only adds). The vision count
+is left out of it: it assumes every token an image token, an upper bound (a median 1.4× what the
+CPU demo's ranks hold beyond the rest). A config whose floor exceeds the limit by more than 10 % is
+rejected. Every committed table's peaks lie above the floor less that margin
+(``tests/test_memory_model.py`` holds them to it): on the H200 tables above the floor itself; on
+the CPU demo's, 4 of 72 up to 3.4 % below it (FSDP2 at MBS 1, whose counted memory leaves out the
+layer a full or selective recompute rebuilds during backward).
 """
 
 from __future__ import annotations
@@ -41,11 +52,10 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy.optimize import nnls
 
+from autotune.core.contract import MEGATRON_BF16, TrainingBytes
 from autotune.core.knobs import KNOBS, Config, data_parallel, expert_tensor_parallel, micro_batches_per_step
 from autotune.core.model import ModelSpec
 
-BF16 = 2
-TRAINED_BYTES_PER_PARAMETER = 18
 MIN_OBSERVATIONS = 5
 """Fitting three coefficients and measuring a leave-one-out error takes more than three peaks."""
 MIN_MARGIN = 0.10
@@ -108,9 +118,11 @@ def micro_batches_in_flight(config: Config, micro_batches: int) -> float:
     return chunks / vpp
 
 
-def memory_terms(config: Config, model: ModelSpec, world_size: int, global_batch_size: int | None = None) -> MemoryTerms:
-    """The counted bytes of ``config`` per device; ``global_batch_size`` sets how many micro-batches a
-    step accumulates (``None``: one per pipeline stage, as the trainables run without one)."""
+def memory_terms(config: Config, model: ModelSpec, world_size: int, global_batch_size: int | None = None,
+                 units: TrainingBytes = MEGATRON_BF16) -> MemoryTerms:
+    """The counted bytes of ``config`` per device, in the trainable's ``units``; ``global_batch_size``
+    sets how many micro-batches a step accumulates (``None``: one per pipeline stage, as the
+    trainables run without one)."""
     tp, pp, cp = config.tensor_model_parallel_size, config.pipeline_model_parallel_size, config.context_parallel_size
     ep = config.expert_model_parallel_size
     etp = expert_tensor_parallel(config)
@@ -120,11 +132,11 @@ def memory_terms(config: Config, model: ModelSpec, world_size: int, global_batch
 
     def trained(parameters: float, data_parallel: int) -> float:
         if config.use_megatron_fsdp or config.use_torch_fsdp2:
-            return parameters * TRAINED_BYTES_PER_PARAMETER / data_parallel
-        return parameters * TRAINED_BYTES_PER_PARAMETER  # DDP without the distributed optimizer
+            return parameters * units.trained_parameter / data_parallel
+        return parameters * units.trained_parameter  # DDP without the distributed optimizer
 
     def held(parameters: float, frozen: bool, data_parallel: int) -> float:
-        return parameters * BF16 if frozen else trained(parameters, data_parallel)
+        return parameters * units.frozen_parameter if frozen else trained(parameters, data_parallel)
 
     static = (trained(dense / (tp * pp), dp) + trained(experts / (ep * etp * pp), expert_dp)
               + held(vision / tp, bool(config.freeze_vision_model), dp)
@@ -152,12 +164,12 @@ def memory_terms(config: Config, model: ModelSpec, world_size: int, global_batch
         else pp  # a layout larger than the trial: the rules reject it, the count need not
     in_flight = micro_batches_in_flight(config, micro_batches)
     recomputing = layer if config.recompute_granularity == "full" else 0.0  # one layer at a time
-    decoder = (per_micro_batch * in_flight + recomputing) * BF16
+    decoder = (per_micro_batch * in_flight + recomputing) * units.activation
 
     v = model.vision
     patches = b * model.seq_length * v.spatial_merge_size**2  # at most every token an image token
     vision_kept = 0.0 if config.freeze_vision_model else \
-        patches * v.num_layers * (6 * v.hidden_size + 2 * v.ffn_hidden_size) * BF16 / tp * in_flight
+        patches * v.num_layers * (6 * v.hidden_size + 2 * v.ffn_hidden_size) * units.activation / tp * in_flight
     return MemoryTerms(static=static, decoder_activations=decoder, vision_activations=vision_kept)
 
 
@@ -170,6 +182,8 @@ class MemoryModel:
     world_size: int
     limit_bytes: float | None
     global_batch_size: int | None = None
+    units: TrainingBytes = MEGATRON_BF16
+    """What the trainable keeps per parameter and activation (its :class:`TrainableSupport`'s)."""
     observations: list[tuple[MemoryTerms, float]] = field(default_factory=list)
     observed_configs: list[Config] = field(default_factory=list)
     """The config of each observation, in the same order (what :meth:`scaled` matches on)."""
@@ -178,7 +192,7 @@ class MemoryModel:
     _error: float = field(default=0.0, init=False, repr=False)
 
     def terms(self, config: Config) -> MemoryTerms:
-        return memory_terms(config, self.model, self.world_size, self.global_batch_size)
+        return memory_terms(config, self.model, self.world_size, self.global_batch_size, self.units)
 
     def observe(self, config: Config, peak_bytes: float) -> None:
         if peak_bytes > 0:
@@ -224,6 +238,12 @@ class MemoryModel:
         """The largest leave-one-out relative error of the calibrated model."""
         return self._calibration()[1] if self.calibrated else None
 
+    def floor(self, config: Config) -> float:
+        """Peak bytes per device no run of ``config`` stays under: its counted static bytes and
+        decoder activations at face value (see the module's docstring)."""
+        terms = self.terms(config)
+        return terms.static + terms.decoder_activations
+
     def scaled(self, config: Config) -> float | None:
         """Peak bytes per device before calibration, from a peak of the same config at another
         micro-batch size: the counted static bytes plus what that peak held beyond its own, scaled by
@@ -244,16 +264,19 @@ class MemoryModel:
 
     def rejection(self, config: Config) -> str | None:
         """Why ``config`` surely exceeds the limit, or ``None``: from the calibrated model beyond its
-        error, or before it from :meth:`scaled` beyond ``SCALED_MARGIN``."""
+        error, before it from :meth:`scaled` beyond ``SCALED_MARGIN``, and always from
+        :meth:`floor` beyond ``MIN_MARGIN``."""
         if self.limit_bytes is None:
             return None
         if self.calibrated:
-            predicted, error = self.predict(config), max(self.error(), MIN_MARGIN)
-            source = f"from {len(self.observations)} peaks"
+            predictions = [(self.predict(config), max(self.error(), MIN_MARGIN), f"from {len(self.observations)} peaks")]
         else:
-            predicted, error = self.scaled(config), SCALED_MARGIN
-            source = "scaled from the same config's peak at another micro-batch size"
-        if predicted is None or predicted * (1 - error) <= self.limit_bytes:
-            return None
-        return (f"the memory model predicts {predicted / 2**30:.1f} GiB per device (±{100 * error:.0f} %, "
-                f"{source}), over the {self.limit_bytes / 2**30:.1f} GiB limit")
+            predictions = [(self.scaled(config), SCALED_MARGIN,
+                            "scaled from the same config's peak at another micro-batch size")]
+        predictions.append((self.floor(config), MIN_MARGIN, "its counted weights, optimizer states and decoder "
+                                                             "activations alone"))
+        for predicted, error, source in predictions:
+            if predicted is not None and predicted * (1 - error) > self.limit_bytes:
+                return (f"the memory model predicts {predicted / 2**30:.2f} GiB per device (±{100 * error:.0f} %, "
+                        f"{source}), over the {self.limit_bytes / 2**30:.2f} GiB limit")
+        return None

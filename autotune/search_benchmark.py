@@ -23,7 +23,9 @@ A method *reaches* 98 % when a config within 98 % of the table's best is promote
 their best-screened config after every screen at no cost until the promoted one is good enough,
 then pay that one promotion. Each seed's *budget* is what our tuner spent on it; at that spend a
 baseline hands the user its best-screened config, ours its winner. Device-seconds are the recorded
-ones (start-up included) times the devices a burst ran on.
+ones (start-up included) times the devices a burst ran on. Every method pays the same start-up:
+warm (ranks forked from a zygote already running, as our campaigns start them) where the table
+recorded it, cold otherwise or when asked.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from autotune.core.errors import AutotuneError
 from autotune.core.knobs import FREEZE_KNOBS_BY_PART, Config
 from autotune.core.registry import REPLAY, burst_runner
 from autotune.core.steady import steady_state
-from autotune.core.tables import RecordedBurst, RecordedTable, TableError
+from autotune.core.tables import RankStart, RecordedBurst, RecordedTable, TableError
 from autotune.engine.driver import run_campaign
 from autotune.engine.live import LiveView
 from autotune.engine.probe import apply_probe, recorded_probes
@@ -107,8 +109,10 @@ class Trace:
         return within[-1] if within else 0.0
 
 
-def replay_campaign(table: RecordedTable, seed: int, output_dir: Path, memory_model: bool = True) -> Campaign:
-    """The campaign the table was recorded for, replaying it with ``seed``."""
+def replay_campaign(table: RecordedTable, seed: int, output_dir: Path, memory_model: bool = True,
+                    start: RankStart = "warm") -> Campaign:
+    """The campaign the table was recorded for, replaying it with ``seed``, charging ``start``
+    start-up where the table has it (:attr:`RecordedTable.charged_start`)."""
     recorded = {row.contract.get("campaign") for row in table.rows.values()}
     if len(recorded) != 1 or None in recorded:
         raise TableError(f"{table.path}: rows must name one campaign (contract.campaign), found {sorted(map(str, recorded))}")
@@ -117,11 +121,27 @@ def replay_campaign(table: RecordedTable, seed: int, output_dir: Path, memory_mo
         raise TableError(f"{table.path}: its campaign {path} is not here (run from the folder it was recorded in)")
     campaign, _ = apply_probe(load_campaign(path, recorded_workload(table)), recorded_probes(table))
     table.require_complete(campaign.space)
+    hardware = campaign.spec.hardware
+    if hardware.accelerator == "cpu":  # the counted device memory the rows ran with, if any
+        counted = recorded_counted_memory(table)
+        hardware = hardware.model_copy(update={"cpu_device_memory_gib": None if counted is None else counted / 2**30})
     spec = campaign.spec.model_copy(update={
         "search": campaign.spec.search.model_copy(update={"seed": seed, "memory_model": memory_model}),
+        "hardware": hardware,
         "output_dir": str(output_dir),
     })
-    return dataclasses.replace(campaign, spec=spec, replay_table=table.path.resolve())  # trials run elsewhere
+    return dataclasses.replace(campaign, spec=spec, replay_table=table.path.resolve(),  # trials run elsewhere
+                               replay_start=start if table.charged_start == "warm" else "cold")
+
+
+def recorded_counted_memory(table: RecordedTable) -> int | None:
+    """The counted device memory a CPU table's rows ran with (their peaks are in that count), or
+    ``None`` for a table recorded without one (peaks are resident sets)."""
+    counted = {(row.contract.get("hardware") or {}).get("counted_memory_bytes") for row in table.rows.values()
+               if row.contract.get("hardware")}
+    if len(counted) > 1:
+        raise TableError(f"{table.path}: rows ran with different counted device memories {sorted(map(str, counted))}")
+    return counted.pop() if counted else None
 
 
 def recorded_workload(table: RecordedTable) -> WorkloadSection:
@@ -152,7 +172,7 @@ class Replayer:
         """Device-seconds, steady estimate per device (``None`` unless it finished) and outcome."""
         if config not in self.truth.rates:  # Megatron would reject it at construction
             row = self.table.row(config)
-            return row.startup_seconds * row.world_size, None, "invalid"
+            return row.startup(self.campaign.replay_start) * row.world_size, None, "invalid"
         request = dataclasses.replace(self.campaign.burst_request(config, steps), seed=self.seed)
         result = self.run(request)
         cost = (result.elapsed_seconds or 0.0) * request.world_size
@@ -241,19 +261,20 @@ def run_autotune(campaign: Campaign, verdict: Truth) -> Trace:
     return trace
 
 
-def benchmark(table: RecordedTable, seeds: int) -> dict[str, Any]:
-    """The benchmark's JSON object over seeds 0 … ``seeds``-1 (Ray must be connected)."""
+def benchmark(table: RecordedTable, seeds: int, start: RankStart = "warm") -> dict[str, Any]:
+    """The benchmark's JSON object over seeds 0 … ``seeds``-1 (Ray must be connected), every burst
+    charged ``start`` start-up where the table recorded it."""
     if seeds < 1:
         raise AutotuneError("--seeds must be at least 1")
     traces: dict[str, list[Trace]] = {"autotune": [], "autotune_no_memory_model": [], "random": [], "tpe": []}
     with tempfile.TemporaryDirectory(prefix="autotune-bench-") as folder:
-        first = replay_campaign(table, 0, Path(folder))
+        first = replay_campaign(table, 0, Path(folder), start=start)
         verdict = truth(first, table)
         grid = run_grid(Replayer(first, table, verdict, 0))
         for seed in range(seeds):
-            campaign = replay_campaign(table, seed, Path(folder))
+            campaign = replay_campaign(table, seed, Path(folder), start=start)
             traces["autotune"].append(run_autotune(campaign, verdict))
-            without = replay_campaign(table, seed, Path(folder), memory_model=False)
+            without = replay_campaign(table, seed, Path(folder), memory_model=False, start=start)
             traces["autotune_no_memory_model"].append(run_autotune(without, verdict))
             replayer = Replayer(campaign, table, verdict, seed)
             traces["random"].append(run_random(replayer, seed, budget=grid.spent))
@@ -264,6 +285,7 @@ def benchmark(table: RecordedTable, seeds: int) -> dict[str, Any]:
         "table": str(table.path),
         "configs": len(table.rows),
         "seeds": seeds,
+        "start_up_charged": first.replay_start,
         "grid_gpu_seconds": grid.spent,
         "best_tokens_per_s": verdict.best,  # per device
         "median_budget_gpu_seconds": statistics.median(budgets),

@@ -1,6 +1,6 @@
 """The memory model's error on a recorded table, online as a campaign meets it: rows in a seeded
 random order, each finished row predicted from the peaks before it, then observed. With a limit
-(the table's GPU memory cap), also how many out-of-memory rows it would have rejected before
+(the table's GPU memory cap, or the counted device memory a CPU table's rows ran with), also how many out-of-memory rows it would have rejected before
 launch, and how many rows that fit it would have rejected wrongly.
 
   python bench/memory_model.py --table bench/data/cpu_native_vlm.jsonl --out bench/results/memory_model_cpu.json
@@ -18,8 +18,7 @@ from pathlib import Path
 
 from autotune.campaign import load_campaign
 from autotune.core.tables import load_table
-from autotune.memory_model import MemoryModel
-from autotune.search_benchmark import recorded_workload
+from autotune.search_benchmark import recorded_counted_memory, recorded_workload
 
 
 def main() -> None:
@@ -30,14 +29,13 @@ def main() -> None:
     args = parser.parse_args()
     table = load_table(args.table)
     first = next(iter(table.rows.values()))
-    campaign = load_campaign(Path(first.contract["campaign"]))
+    campaign = load_campaign(Path(first.contract["campaign"]), recorded_workload(table))
     device_memory = (first.contract.get("stack") or {}).get("device_memory_bytes")
     cap = first.contract.get("memory_cap_fraction")
-    limit = cap * device_memory if cap and device_memory else None
-    global_batch = recorded_workload(table).global_batch_size  # the rows' micro-batches per step
+    limit = recorded_counted_memory(table) or (cap * device_memory if cap and device_memory else None)
     errors, rejected_oom, rejected_fit, ooms = [], 0, 0, 0
     for seed in range(args.seeds):
-        model = MemoryModel(campaign.model, campaign.spec.hardware.gpus_per_trial, limit, global_batch)
+        model = campaign.memory_model(limit)
         rows = list(table.rows.items())
         random.Random(seed).shuffle(rows)
         for config, row in rows:
@@ -60,7 +58,8 @@ def main() -> None:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"python": platform.python_version(), "platform": platform.platform()},
         "recorded_on": first.contract.get("stack"),
-        "peak_measure": "torch.cuda.max_memory_allocated on CUDA; the rank's max resident set on the CPU",
+        "peak_measure": "torch.cuda.max_memory_allocated on CUDA; on the CPU the rank's tensors counted against its "
+                        "device memory where the table's rows had one, else its max resident set",
         "limit_bytes": limit,
         "predictions": len(errors),
         "relative_error": {

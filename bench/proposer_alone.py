@@ -23,7 +23,6 @@ import optuna
 
 from autotune.campaign import load_campaign
 from autotune.core.tables import load_table
-from autotune.memory_model import MemoryModel
 from autotune.search.proposer import Proposer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -38,8 +37,7 @@ def run_seed(seed: int) -> dict:
     proposer = Proposer(
         campaign.space, campaign.rule_context, folder / "study.journal", "alone",
         sampler=spec.search.sampler, seed=seed, startup_trials=spec.search.startup_trials,
-        memory=MemoryModel(campaign.model, spec.hardware.gpus_per_trial, None, spec.workload.global_batch_size)
-        if spec.search.memory_model else None,
+        memory=campaign.memory_model(None) if spec.search.memory_model else None,
         memory_frontier=spec.search.memory_frontier,
     )
     proposer.enqueue_warm_starts()

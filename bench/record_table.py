@@ -11,25 +11,91 @@ most the burst in flight. Failed bursts are held back while they come in a row: 
 of them in a row mean the harness or the machine is broken, not the configs, so the recording stops
 without writing them (a later call runs them again). ``--limit`` records at most that many new rows per call (to fit a
 device session); ``--order config|shuffled`` picks which first.
+
+Start-up is recorded both ways (``autotune/core/tables.py``): each burst's ranks fork from a zygote
+the recording keeps running, as a campaign's trials' do (``warm_startup_seconds``), and a one-step
+burst of the same config forks them from a zygote started for it, paying the imports
+(``startup_seconds``). ``--add-warm-startup`` gives the rows of an existing table (recorded cold
+only) their warm start-up from a one-step burst each.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import random
+import subprocess
+import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from rich.progress import Progress
 
-from autotune.bursts import run_burst
-from autotune.campaign import load_campaign
+from autotune.campaign import Campaign, load_campaign
+from autotune.core.contract import BurstRequest, BurstResult
+from autotune.core.knobs import Config
+from autotune.core.registry import burst_runner, start_rank_zygote
 from autotune.core.tables import RecordedBurst, append_row, load_table
 from trainables.probe import probe
 
 GIB = 2**30
+
+
+@contextmanager
+def zygote(folder: Path, name: str) -> Iterator[str]:
+    """A new rank zygote listening in ``folder`` for as long as the block runs; yields its address."""
+    address = str(Path(tempfile.mkdtemp(prefix=name, dir=folder), "zygote.sock"))
+    process: subprocess.Popen = start_rank_zygote(address)
+    try:
+        yield address
+    finally:
+        process.kill()
+        process.wait()
+
+
+def timed_burst(trainable: str, request: BurstRequest, address: str) -> tuple[BurstResult, float]:
+    """A burst whose ranks fork from the zygote at ``address``, and its start-up: its wall time
+    less its steps."""
+    started = time.perf_counter()
+    result = burst_runner(trainable, warm_ranks=address)(request)
+    wall = time.perf_counter() - started
+    return result, max(0.0, wall - sum(record.step_seconds for record in result.records))
+
+
+def cold_startup(campaign: Campaign, request: BurstRequest, folder: Path) -> float:
+    """Start-up of a one-step burst of the request's config whose zygote is started for it: the
+    imports a burst pays when nothing is kept warm, timed from before the zygote starts."""
+    started = time.perf_counter()
+    with zygote(folder, "cold") as address:
+        zygote_start = time.perf_counter() - started
+        _, startup = timed_burst(campaign.spec.trainable, dataclasses.replace(request, steps=1), address)
+    return zygote_start + startup
+
+
+def add_warm_startup(campaign: Campaign, table: Path) -> None:
+    """Give every row of ``table`` that lacks it a warm start-up, from a one-step burst whose ranks
+    fork from a zygote already running; the table is rewritten once all are measured."""
+    rows = list(load_table(table).rows.items())
+    todo = [config for config, row in rows if row.warm_startup_seconds is None]
+    print(f"{table}: {len(rows)} rows, measuring warm start-up for {len(todo)}")
+    measured: dict[Config, float] = {}
+    with tempfile.TemporaryDirectory(prefix="record-") as folder, zygote(Path(folder), "warm") as address, \
+            Progress() as progress:
+        task = progress.add_task("warm start-up", total=len(todo))
+        for config in todo:
+            _, measured[config] = timed_burst(campaign.spec.trainable, campaign.burst_request(config, 1), address)
+            progress.console.print(f"{config.describe()}: {measured[config]:.2f} s", markup=False)
+            progress.advance(task)
+    rewritten = table.with_suffix(".rewrite")
+    rewritten.unlink(missing_ok=True)
+    for config, row in rows:
+        append_row(rewritten, row.model_copy(update={"warm_startup_seconds": measured[config]})
+                   if config in measured else row)
+    os.replace(rewritten, table)
 
 
 def main() -> None:
@@ -44,9 +110,14 @@ def main() -> None:
                         help="record only configs that ran ok in this table (long runs for bench/fidelity.py)")
     parser.add_argument("--order", choices=("config", "shuffled"), default="shuffled",
                         help="shuffled (seeded) spreads a partial recording over the whole space")
+    parser.add_argument("--add-warm-startup", action="store_true",
+                        help="record nothing new: measure the warm start-up of the rows of --out that lack it")
     args = parser.parse_args()
 
     campaign = load_campaign(args.campaign)
+    if args.add_warm_startup:
+        add_warm_startup(campaign, args.out)
+        return
     recorded = set(load_table(args.out).rows) if args.out.is_file() and args.out.stat().st_size else set()
     todo = [config for config in campaign.space.configs() if config not in recorded]
     if args.ok_in is not None:
@@ -58,14 +129,14 @@ def main() -> None:
     stack = probe()
     print(f"{campaign.space.name}: {campaign.space.size()} configs, {len(recorded)} recorded, recording {len(todo)}")
     held: list[RecordedBurst] = []
-    with Progress() as progress:
+    with tempfile.TemporaryDirectory(prefix="record-") as folder, zygote(Path(folder), "warm") as warm, \
+            Progress() as progress:
         task = progress.add_task("recording", total=len(todo))
         for config in todo:
             request = campaign.burst_request(config, args.steps)
             load_before = os.getloadavg()[0]
-            started = time.perf_counter()
-            result = run_burst(campaign.spec.trainable, request)
-            wall = time.perf_counter() - started
+            result, warm_startup = timed_burst(campaign.spec.trainable, request, warm)
+            startup = cold_startup(campaign, request, Path(folder))
             steps = [record.step_seconds for record in result.records]
             row = RecordedBurst(
                 config=config.to_plain(),
@@ -73,7 +144,8 @@ def main() -> None:
                 step_seconds=steps,
                 useful_tokens_per_step=round(sum(r.useful_tokens for r in result.records) / len(steps)) if steps else 0,
                 peak_memory_gib=max(r.peak_memory_bytes for r in result.records) / GIB if steps else None,
-                startup_seconds=max(0.0, wall - sum(steps)),
+                startup_seconds=startup,
+                warm_startup_seconds=warm_startup,
                 error=None if result.error is None else result.error[-2000:],
                 contract=(result.contract.to_json() if result.contract else {}) | {
                     "trainable": campaign.spec.trainable,
@@ -89,7 +161,8 @@ def main() -> None:
                     "load_average_1m_before": load_before,
                 },
             )
-            progress.console.print(f"{config.describe()}: {row.outcome} {len(steps)} steps {wall:.0f} s", markup=False)
+            progress.console.print(f"{config.describe()}: {row.outcome} {len(steps)} steps, start-up {warm_startup:.1f} s "
+                                   f"warm, {startup:.1f} s cold", markup=False)
             progress.advance(task)
             if row.outcome == "failed":
                 held.append(row)

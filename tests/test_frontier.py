@@ -1,6 +1,7 @@
 """The memory-frontier walk: largest micro-batch that fits with the most memory saved, then the
 recompute it no longer needs, level by level while relaxing pays (one slower screen is noise, not
-yet a reason to stop); and its place in the proposer."""
+yet a reason to stop), on at smaller micro-batches where memory ends the relaxing; and its place in
+the proposer."""
 
 from __future__ import annotations
 
@@ -40,7 +41,9 @@ def test_the_walk_finds_the_largest_micro_batch_that_fits_then_relaxes_recompute
     (second,) = level - {first}
     assert frontier.next(BRING_UP, results, {first}) == second  # a level's options run side by side
     results[first], results[second] = Result("ok", 118.0), Result("oom_predicted", None)
-    assert frontier.next(BRING_UP, results, set()) == "done"  # the level did not beat 120: stop relaxing
+    # the level did not beat 120 and its sibling ran out of memory: that was memory pressure, so
+    # relaxing at MBS 4 ends, and the frontier goes on at MBS 2 from the level that ran out
+    assert frontier.next(BRING_UP, results, set()) in {at(2, "selective", "core_attn"), at(2, "selective", "moe")}
     results[first] = Result("ok", 125.0)
     assert frontier.next(BRING_UP, results, set()) == at(4, "none")
     results[at(4, "none")] = Result("pruned", 90.0)
@@ -89,9 +92,12 @@ def test_the_proposer_walks_the_frontier_after_the_warm_starts_and_then_samples(
     # study before launch, and the walk takes the next saving at MBS 8, which fits (13.1 GiB).
     assert proposer.history.rejected[at(8, "full", graphs="local")][0] == "invalid"
     assert walk[0] == at(8, "selective", "core_attn", "moe", graphs="local")
-    # Relaxing to a single module needs 20.4 GiB: both options run out of memory, the walk ends,
-    # and "none" (dominated by those OOMs) is never launched.
-    assert set(walk[1:]) == {at(8, "selective", "core_attn", graphs="local"), at(8, "selective", "moe", graphs="local")}
+    # Relaxing to a single module needs 20.4 GiB at MBS 8: both options run out of memory, and
+    # "none" (dominated by those OOMs) is never launched there. The frontier goes on at MBS 4 from
+    # the single-module level, which fits, and relaxes it to no recompute, which pays.
+    assert set(walk[1:3]) == {at(8, "selective", "core_attn", graphs="local"), at(8, "selective", "moe", graphs="local")}
+    assert set(walk[3:]) == {at(4, "selective", "core_attn", graphs="local"), at(4, "selective", "moe", graphs="local"),
+                             at(4, "none", graphs="local")}
     assert at(8, "none", graphs="local") not in [config for _, config in runs]
 
 
@@ -159,11 +165,41 @@ def test_one_slower_level_is_screen_noise_two_in_a_row_end_the_relaxation() -> N
 def test_memory_running_out_after_a_slower_level_ends_the_relaxation_at_once() -> None:
     """The H200 table: MBS 8 with full recompute fits, selective core_attn,moe is slower (memory
     pressure, 84 % of it over long runs) and both single-module sets run out of memory: once one
-    has, the slowdown above was memory, and its sibling is not launched."""
+    has, the slowdown above was memory, and its sibling is not launched at MBS 8; the frontier goes
+    on at MBS 4 from the single-module level."""
     frontier = MemoryFrontier(H200, H200.configs())
     results = {BRING_UP: Result("ok", 2056.0), at(8, "full"): Result("ok", 11890.0),
                at(8, "selective", "core_attn", "moe"): Result("ok", 10991.0)}
     first = frontier.next(at(8, "full"), results, set())
     assert first in {at(8, "selective", "core_attn"), at(8, "selective", "moe")}  # one slower level: go on
     results[first] = Result("oom", None)
-    assert frontier.next(at(8, "full"), results, set()) == "done"
+    assert frontier.next(at(8, "full"), results, set()) in {at(4, "selective", "core_attn"), at(4, "selective", "moe")}
+
+
+def test_where_memory_ends_the_relaxation_the_frontier_goes_on_at_the_next_smaller_micro_batch() -> None:
+    """The CPU demo's counted-memory table (2026-12-05), under DDP: MBS 8 fits with full recompute
+    (650 useful tokens/s per rank) and runs out of memory with selective ``core_attn,moe``; the
+    table's best is MBS 4 without recompute (708), which the walk never reached: it went from MBS 8
+    to the other sharding. A smaller micro-batch relaxes on its own: one slower level there (640) is
+    not compared with MBS 8's."""
+    frontier = MemoryFrontier(CPU_DEMO, CPU_DEMO.configs())
+
+    def ddp(micro_batch_size: int, recompute: str, *modules: str):
+        return complete_config({"micro_batch_size": micro_batch_size, "recompute_granularity": recompute,
+                                "recompute_modules": list(modules) if recompute == "selective" else None,
+                                "freeze_vision_model": True}, defaults=CPU_DEMO.fixed)
+
+    incumbent = ddp(8, "full")
+    results = {incumbent: Result("ok", 650.0), ddp(8, "selective", "core_attn", "moe"): Result("oom", None)}
+    assert frontier.next(incumbent, results, set()) == ddp(4, "selective", "core_attn", "moe")
+    results[ddp(4, "selective", "core_attn", "moe")] = Result("ok", 640.0)
+    level = {ddp(4, "selective", "core_attn"), ddp(4, "selective", "moe")}
+    first = frontier.next(incumbent, results, set())
+    assert first in level
+    results |= {first: Result("ok", 678.0), (level - {first}).pop(): Result("ok", 653.0)}
+    assert frontier.next(incumbent, results, set()) == ddp(4, "none")
+    results[ddp(4, "none")] = Result("ok", 708.0)
+    # the walk's best is MBS 4 without recompute: the other sharding is tried there
+    fsdp = complete_config({"micro_batch_size": 4, "use_torch_fsdp2": True, "freeze_vision_model": True},
+                           defaults=CPU_DEMO.fixed)
+    assert frontier.next(incumbent, results, set()) == fsdp

@@ -4,6 +4,7 @@ rejects configs it predicts over the limit before launch."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 
@@ -99,7 +100,7 @@ def test_calibration_predicts_within_its_error_and_rejects_over_the_limit() -> N
     big = max(configs, key=peak)
     small = min(configs, key=peak)
     assert peak(big) > 35 * GIB * 1.2 > 35 * GIB > peak(small) * 1.2
-    assert "over the 35.0 GiB limit" in model.rejection(big)
+    assert "over the 35.00 GiB limit" in model.rejection(big)
     assert model.rejection(small) is None
 
 
@@ -137,6 +138,57 @@ def test_before_calibration_only_a_twin_at_another_micro_batch_size_rejects() ->
     assert memory.scaled(bring_up) == pytest.approx(25.4 * GIB)
     two = complete_config({**full, "micro_batch_size": 2})
     assert memory.rejection(two) is None and 30 * GIB < memory.scaled(two) < 40 * GIB
-    selective = complete_config({"moe_token_dispatcher_type": "alltoall", "micro_batch_size": 8,
-                                 "recompute_granularity": "selective", "recompute_modules": ["core_attn"]})
+    selective = complete_config({"moe_token_dispatcher_type": "alltoall", "micro_batch_size": 4,
+                                 "recompute_granularity": "selective", "recompute_modules": ["core_attn"],
+                                 "freeze_vision_model": True})
     assert memory.scaled(selective) is None and memory.rejection(selective) is None  # no twin: no guess
+
+
+def test_the_floor_rejects_from_the_first_proposal_what_its_counted_bytes_alone_exceed() -> None:
+    """MBS 8 without recompute, the ViT frozen: 15.7 GiB of weights and optimizer states and 39.3 GiB
+    of decoder activations counted, before any peak (it ran out of the 35 GiB cap on the H200). MBS 4
+    with attention recomputed is counted at 19.3 GiB and is not rejected; no peak moves the floor."""
+    memory = MemoryModel(MODEL, 1, limit_bytes=35 * GIB, global_batch_size=8)
+    none = complete_config({"moe_token_dispatcher_type": "alltoall", "micro_batch_size": 8, "freeze_vision_model": True})
+    selective = complete_config({"moe_token_dispatcher_type": "alltoall", "micro_batch_size": 4,
+                                 "freeze_vision_model": True, "recompute_granularity": "selective",
+                                 "recompute_modules": ["core_attn"]})
+    assert memory.floor(none) == pytest.approx(54.95 * GIB, rel=1e-3)
+    assert memory.floor(selective) == pytest.approx(19.33 * GIB, rel=1e-3)
+    assert "weights, optimizer states and decoder activations alone" in memory.rejection(none)
+    assert memory.rejection(selective) is None
+    memory.observe(selective, 24.3 * GIB)
+    assert memory.floor(none) == pytest.approx(54.95 * GIB, rel=1e-3)
+
+
+@pytest.mark.parametrize("table", ["bench/data/h200_megatron_vlm.jsonl", "bench/data/h200_te_vlm.jsonl",
+                                   "bench/data/cpu_native_vlm_memory.jsonl"])
+def test_no_recorded_peak_lies_below_the_floor_the_other_peaks_give(table: str) -> None:
+    """The floor rejects only what cannot fit: on every table recorded under a memory limit, each
+    config that ran peaked above its floor less the margin a rejection allows."""
+    from autotune.campaign import load_campaign
+    from autotune.core.tables import load_table
+    from autotune.memory_model import MIN_MARGIN
+    from autotune.search_benchmark import recorded_workload
+
+    recorded = load_table(Path(table))
+    campaign = load_campaign(Path(next(iter(recorded.rows.values())).contract["campaign"]), recorded_workload(recorded))
+    ran = [(config, row.peak_memory_gib * GIB) for config, row in recorded.rows.items() if row.outcome == "ok"]
+    memory = campaign.memory_model(None)
+    assert ran and all(memory.floor(config) * (1 - MIN_MARGIN) <= reported for config, reported in ran)
+
+
+def test_the_limit_is_the_counted_device_memory_on_the_cpu_and_the_capped_gpu_elsewhere() -> None:
+    """The CPU demo's ranks count their tensors against 0.27 GiB and report peaks in that count, so
+    its memory model has a limit to reject against; the H200 campaign's is its cap's share."""
+    from autotune.campaign import load_campaign
+    from autotune.engine.driver import memory_limit_bytes
+
+    demo = load_campaign(Path("campaigns/cpu_demo.yaml"))
+    assert memory_limit_bytes(demo, []) == int(0.27 * GIB)
+    uncounted = dataclasses.replace(demo, spec=demo.spec.model_copy(update={
+        "hardware": demo.spec.hardware.model_copy(update={"cpu_device_memory_gib": None})}))
+    assert memory_limit_bytes(uncounted, []) is None
+    h200 = load_campaign(Path("campaigns/h200_single.yaml"))
+    assert memory_limit_bytes(h200, [{"device_memory_bytes": 140 * GIB}]) == pytest.approx(0.25 * 140 * GIB)
+    assert memory_limit_bytes(h200, []) is None

@@ -126,9 +126,32 @@ def test_replay_ends_as_recorded_and_stops_when_told(tmp_path) -> None:
     assert stopped.outcome == "pruned" and len(stopped.records) == 3
     assert [r.elapsed_seconds for r in reports] == pytest.approx([15.0, 16.5, 16.5 + stopped.records[2].step_seconds])
     # A replay measured nothing: its contract names the table and carries the recorded contract.
-    assert reports[0].contract == Contract(trainable="replay", replayed_from=str(path), recorded={"world_size": 2})
+    assert reports[0].contract == Contract(trainable="replay", replayed_from=str(path), recorded={"world_size": 2},
+                                           rank_start="cold")
     assert reports[1].contract is None and stopped.contract == reports[0].contract
     assert all(report.evidence.is_empty() for report in reports) and stopped.evidence.is_empty()
+
+
+def test_a_replay_charges_the_warm_start_up_where_every_row_recorded_it(tmp_path) -> None:
+    """Campaigns fork their trials' ranks from warm zygotes: a replay charges what that start cost
+    where the table measured it, the cold start where asked, and the cold one for a whole table
+    where any row lacks the warm one (one table, one start-up)."""
+    warm = [row(micro_batch_size=mbs).model_copy(update={"warm_startup_seconds": 0.5}) for mbs in (1, 2)]
+    path = table(tmp_path, *warm)
+    assert load_table(path).charged_start == "warm"
+    replayed = run_replay(request(path, 4, micro_batch_size=2))
+    steps = sum(record.step_seconds for record in replayed.records)
+    assert replayed.contract.rank_start == "warm" and replayed.elapsed_seconds == pytest.approx(0.5 + steps)
+    cold = run_replay(replace(request(path, 4, micro_batch_size=2), replay_start="cold"))
+    assert cold.contract.rank_start == "cold" and cold.elapsed_seconds == pytest.approx(12.0 + steps)
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    path = table(mixed, warm[0], row(micro_batch_size=2))
+    assert load_table(path).charged_start == "cold"
+    replayed = run_replay(request(path, 4, micro_batch_size=2))
+    assert replayed.contract.rank_start == "cold" and replayed.elapsed_seconds == pytest.approx(12.0 + steps)
+    with pytest.raises(TableError, match="no warm start-up"):
+        load_table(path).row(complete_config({"micro_batch_size": 2})).startup("warm")
 
 
 def test_the_ledger_charges_replayed_seconds_not_its_clock(tmp_path) -> None:

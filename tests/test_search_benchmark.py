@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from autotune.core.knobs import complete_config
-from autotune.core.tables import append_row, load_table
+from autotune.core.tables import TableError, append_row, load_table
 from autotune.search_benchmark import REACH, Replayer, replay_campaign, run_autotune, run_grid, run_random, truth
 from conftest import REPLAY_SPACE as SPACE
 from conftest import STARTUP, campaign_file, recorded
@@ -72,3 +72,35 @@ def test_the_engine_replays_the_table_charging_recorded_seconds(small_table: Pat
         # Replayed time is charged, not the seconds the replay took.
         assert entry["device_seconds"] >= 2 * STARTUP > entry["wall_seconds"]  # an OOM: its start-up only
     assert trace.reached_at is not None and trace.timeline[-1][1] >= REACH
+
+
+def test_a_table_with_warm_start_up_is_charged_it_unless_cold_is_asked(small_table: Path, tmp_path: Path) -> None:
+    """Every method pays one start-up: the warm one (0.5 s, ranks forked from a running zygote) where
+    every row recorded it; the two out-of-memory rows cost only their start-up, on two devices."""
+    warm = tmp_path / "warm.jsonl"
+    for row in load_table(small_table).rows.values():
+        append_row(warm, row.model_copy(update={"warm_startup_seconds": 0.5}))
+    table = load_table(warm)
+    for start, startup in (("warm", 0.5), ("cold", STARTUP)):
+        campaign = replay_campaign(table, 0, tmp_path / "runs", start=start)
+        assert campaign.replay_start == start
+        assert run_grid(Replayer(campaign, table, truth(campaign, table), 0)).wasted == pytest.approx(2 * 2 * startup)
+    cold_only = load_table(small_table)
+    assert replay_campaign(cold_only, 0, tmp_path / "runs", start="warm").replay_start == "cold"
+
+
+def test_a_cpu_table_replays_with_the_counted_device_memory_its_rows_ran_with(small_table: Path, tmp_path: Path) -> None:
+    counted = tmp_path / "counted.jsonl"
+    for row in load_table(small_table).rows.values():
+        hardware = {"accelerator": "cpu", "world_size": 2, "counted_memory_bytes": 3 * 2**30}
+        append_row(counted, row.model_copy(update={"contract": row.contract | {"hardware": hardware}}))
+    campaign = replay_campaign(load_table(counted), 0, tmp_path / "runs")
+    assert campaign.spec.hardware.cpu_device_memory_bytes == 3 * 2**30
+    assert replay_campaign(load_table(small_table), 0, tmp_path / "runs").spec.hardware.cpu_device_memory_gib is None
+    with counted.open("a") as file:  # one more row, run with another memory: the table is ambiguous
+        row = next(iter(load_table(small_table).rows.values()))
+        other = {"accelerator": "cpu", "world_size": 2, "counted_memory_bytes": 2**30}
+        file.write(row.model_copy(update={"config": {**row.config, "micro_batch_size": 16},
+                                          "contract": row.contract | {"hardware": other}}).model_dump_json() + "\n")
+    with pytest.raises(TableError, match="different counted device memories"):
+        replay_campaign(load_table(counted), 0, tmp_path / "runs")

@@ -19,6 +19,8 @@ app = typer.Typer(help="Benchmarks of the tuner itself.", no_args_is_help=True)
 def search(
     table: Path = typer.Option(..., "--table", help="A recorded table (bench/data/*.jsonl)."),
     seeds: int = typer.Option(10, "--seeds", help="Seeds 0 … N-1 for every method."),
+    start: str = typer.Option("warm", "--start", help="Start-up to charge: warm (where the table recorded "
+                              "it; campaigns fork ranks from warm zygotes) or cold."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON object."),
     out: Path | None = typer.Option(None, "--out", help="Also write the result, with its contract, here."),
 ) -> None:
@@ -27,13 +29,15 @@ def search(
     from autotune.engine.driver import connect
     from autotune.search_benchmark import benchmark
 
+    if start not in ("warm", "cold"):
+        raise typer.BadParameter("warm or cold", param_hint="--start")
     loaded = load_table(table)
     connect(None)
-    result = benchmark(loaded, seeds)
+    result = benchmark(loaded, seeds, start)
     if out is not None:
         first = next(iter(loaded.rows.values()))
         contract = {
-            "command": f"autotune bench search --table {table} --seeds {seeds}",
+            "command": f"autotune bench search --table {table} --seeds {seeds} --start {start}",
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "machine": {"python": platform.python_version(), "platform": platform.platform()},
             "recorded_on": {key: first.contract.get(key) for key in ("stack", "hardware", "versions", "campaign")},
@@ -44,7 +48,8 @@ def search(
     if as_json:
         print(json.dumps(result))
         return
-    view = Table(title=f"{table} · {result['configs']} configs · grid {result['grid_gpu_seconds']:,.0f} device-s")
+    view = Table(title=f"{table} · {result['configs']} configs · grid {result['grid_gpu_seconds']:,.0f} device-s"
+                       f" · {result['start_up_charged']} start-up")
     for column in ("method", "fraction of grid to 98 %", "success", "best ratio at budget", "OOM/invalid waste"):
         view.add_column(column)
     for name, row in result["methods"].items():

@@ -42,6 +42,25 @@ class StackCapabilities(BaseModel):
 
 
 @dataclass(frozen=True, slots=True)
+class TrainingBytes:
+    """Bytes a trainable keeps per parameter and per activation element: the memory model's units."""
+
+    frozen_parameter: int
+    """A parameter it does not train (its weight only)."""
+    trained_parameter: int
+    """A parameter it trains: weight, gradient, optimizer states (and a main copy where kept)."""
+    activation: int
+    """An activation element saved for backward."""
+
+
+MEGATRON_BF16 = TrainingBytes(frozen_parameter=2, trained_parameter=18, activation=2)
+"""megatron-core's bf16 training: a bf16 weight, an fp32 gradient, an fp32 main weight and two fp32
+Adam moments per trained parameter (without the distributed optimizer), bf16 activations."""
+FP32 = TrainingBytes(frozen_parameter=4, trained_parameter=16, activation=4)
+"""Plain fp32 training with AdamW: weight, gradient and two moments, fp32 activations."""
+
+
+@dataclass(frozen=True, slots=True)
 class TrainableSupport:
     """The knob values a trainable honours for real; the rules engine rejects the rest before launch.
 
@@ -67,6 +86,13 @@ class TrainableSupport:
     fresh_process: bool = False
     """Every burst needs fresh processes (the trainable keeps process-global state, such as
     megatron-core's parallel groups and CUDA-graph records, that must not reach the next burst)."""
+    training_bytes: TrainingBytes = MEGATRON_BF16
+    """What it keeps per parameter and activation on CUDA (the memory model counts in these)."""
+    cpu_training_bytes: TrainingBytes | None = None
+    """The same on the CPU, where it trains in another precision."""
+
+    def bytes_on(self, accelerator: str) -> TrainingBytes:
+        return (self.cpu_training_bytes or self.training_bytes) if accelerator == "cpu" else self.training_bytes
 
     def __post_init__(self) -> None:
         for name in (*self.allowed, *self.cuda_only):
@@ -267,7 +293,8 @@ class Contract(_Record):
     rank_start: Literal["in_process", "cold", "warm"] | None = None
     """How the burst's ranks started: in the trial's own process, or forked from a zygote that held
     torch and the trainables' imports, one that was started for this burst (``cold``) or one already
-    running (``warm``: a campaign's, kept on each node across its trials). Start-up costs differ."""
+    running (``warm``: a campaign's, kept on each node across its trials). Start-up costs differ.
+    A replay's is the recorded start-up it charged."""
     steady_window: SteadyWindow | None = None
 
     def to_json(self) -> dict[str, Any]:
@@ -330,6 +357,9 @@ class BurstRequest:
     machine, and peaks are reported in that count."""
     replay_table: str | None = None
     """The replay trainable's recorded table (``autotune/core/tables.py``); other trainables ignore it."""
+    replay_start: Literal["warm", "cold"] = "warm"
+    """The recorded start-up a replay charges: ``warm`` (ranks forked from a zygote already running,
+    as a campaign's trials start them) where its table recorded it, else ``cold``."""
     recipe: RecipeSpec | None = None
     """The ``bridge`` trainable's recipe; other trainables ignore it."""
     global_batch_size: int | None = None

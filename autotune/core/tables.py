@@ -6,11 +6,16 @@ a guess. Each line::
 
     {"config": {canonical knob names -> values}, "outcome": "ok"|"oom"|"invalid"|"failed",
      "step_seconds": [every step, warm-up included], "useful_tokens_per_step": int,
-     "peak_memory_gib": float|null, "startup_seconds": float, "error": str|null, "contract": {...}}
+     "peak_memory_gib": float|null, "startup_seconds": float, "warm_startup_seconds": float|null,
+     "error": str|null, "contract": {...}}
 
 ``startup_seconds`` is everything the burst cost besides its steps (launch, build, teardown):
-the burst's wall time less the sum of ``step_seconds``. A burst costs ``startup_seconds +
-sum(step_seconds)`` seconds of each of its ``contract["world_size"]`` devices.
+the burst's wall time less the sum of ``step_seconds``, with its ranks started *cold* (imports
+paid by the burst: a zygote started for it, or, in tables recorded before zygotes, a fresh
+process). ``warm_startup_seconds`` is the same with the ranks forked from a zygote already
+running, as a campaign's trials start them (``trainables/zygote.py``); ``null`` in tables recorded
+before it was measured. A burst costs its start-up plus ``sum(step_seconds)`` seconds of each of
+its ``contract["world_size"]`` devices.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from autotune.core.errors import AutotuneError, KnobError
 from autotune.core.knobs import Config, complete_config
 
 RecordedOutcome = Literal["ok", "oom", "invalid", "failed"]
+RankStart = Literal["warm", "cold"]
 
 
 class Grid(Protocol):
@@ -48,7 +54,9 @@ class RecordedBurst(BaseModel):
     step_seconds: list[float] = Field(description="every step, warm-up included")
     useful_tokens_per_step: int = Field(ge=0)
     peak_memory_gib: float | None = Field(ge=0)
-    startup_seconds: float = Field(ge=0)
+    startup_seconds: float = Field(ge=0, description="cold: the burst paid its ranks' imports")
+    warm_startup_seconds: float | None = Field(default=None, ge=0,
+                                               description="ranks forked from a zygote already running")
     error: str | None
     contract: dict[str, Any]
 
@@ -57,9 +65,17 @@ class RecordedBurst(BaseModel):
         """Useful tokens/s of every recorded step."""
         return [self.useful_tokens_per_step / seconds for seconds in self.step_seconds]
 
+    def startup(self, start: RankStart) -> float:
+        """Start-up seconds with the ranks started ``start`` (see the module's docstring)."""
+        if start == "cold":
+            return self.startup_seconds
+        if self.warm_startup_seconds is None:
+            raise TableError("this row has no warm start-up recorded")
+        return self.warm_startup_seconds
+
     @property
     def cost_seconds(self) -> float:
-        """Seconds of each of the burst's devices."""
+        """Seconds of each of the burst's devices, started cold."""
         return self.startup_seconds + sum(self.step_seconds)
 
     @property
@@ -87,6 +103,12 @@ class RecordedTable:
                 f"{self.path}: {len(missing)} of the {len(configs)} configs of space {space.name} are not "
                 f"recorded, e.g. {missing[0].describe()}; record them (bench/record_table.py resumes)"
             )
+
+    @property
+    def charged_start(self) -> RankStart:
+        """The start-up a replay charges: warm, as campaigns start their trials' ranks, where every
+        row recorded it; cold otherwise (a table recorded before warm start-up was measured)."""
+        return "warm" if all(row.warm_startup_seconds is not None for row in self.rows.values()) else "cold"
 
 
 def load_table(path: Path) -> RecordedTable:

@@ -39,7 +39,6 @@ from autotune.engine.rundir import (
 from autotune.engine.trial import TrialJob, run_trial
 from autotune.engine.warm_ranks import warm_ranks
 from autotune.export import document
-from autotune.memory_model import MemoryModel
 from autotune.search.proposer import Proposer
 from autotune.space import SearchSpace
 
@@ -122,13 +121,15 @@ def _tune_spaces(campaign: Campaign, run_dir: RunDir, ledger: Ledger, job: Trial
 
 
 def memory_limit_bytes(campaign: Campaign, probes: list[dict]) -> float | None:
-    """What one device may hold: the cap's share of the smallest probed GPU. ``None`` on the CPU,
-    where reported peaks (the ranks' resident sets) and the cap (address space added after the
-    build) are not the same measure."""
+    """What one device may hold: the cap's share of the smallest probed GPU; on the CPU, the
+    counted device memory where the campaign gives its ranks one (peaks are reported in that count),
+    else ``None`` (peaks are then the ranks' resident sets, and an address-space cap is not the
+    same measure)."""
+    hardware = campaign.spec.hardware
+    if campaign.stack.accelerator == "cpu":
+        return hardware.cpu_device_memory_bytes
     devices = [p["device_memory_bytes"] for p in probes if p.get("device_memory_bytes")]
-    if campaign.stack.accelerator == "cpu" or not devices:
-        return None
-    return (campaign.spec.hardware.memory_cap_fraction or 1.0) * min(devices)
+    return (hardware.memory_cap_fraction or 1.0) * min(devices) if devices else None
 
 
 def _domain_planner(job: TrialJob, view: LiveView) -> DomainPlanner | None:
@@ -155,8 +156,7 @@ def _tune_space(campaign: Campaign, space: SearchSpace, study_name: str, run_dir
     proposer = Proposer(
         space, campaign.rule_context, run_dir.study_path, study_name,
         sampler=spec.search.sampler, seed=spec.search.seed, startup_trials=spec.search.startup_trials,
-        memory=MemoryModel(campaign.model, spec.hardware.gpus_per_trial, memory_limit,
-                           spec.workload.global_batch_size) if spec.search.memory_model else None,
+        memory=campaign.memory_model(memory_limit) if spec.search.memory_model else None,
         memory_frontier=spec.search.memory_frontier,
     )
     proposer.enqueue_warm_starts()

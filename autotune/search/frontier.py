@@ -24,6 +24,13 @@ knobs, with every part the space lets freeze frozen (the seed: a small real gain
    apart over long runs and their 8-step screens rank them either way: stopping at the first
    slower screen left the single-module sets and ``none`` (two of the four configs within 98 % of
    the best) unscreened in 8 of 10 seeds.
+   Where memory ends the relaxing, the frontier goes on: the level that ran out is tried at the
+   next smaller micro-batch, and relaxed there the same way (its own best, not the larger
+   micro-batch's, is what a lighter level must beat), and so on down. The trade is the seed's —
+   a larger micro-batch against the recompute it costs — and either side can win: on the CPU
+   demo's counted-memory table MBS 8 fits under DDP only with full recompute (650 useful tokens/s
+   per rank), and the best is MBS 4 without recompute (708), which the walk never reached when it
+   stopped at MBS 8.
 3. The best config of the walk is tried with each other data-parallel sharding the space offers
    (FSDP against DDP): the other trade of memory for time, settled once recompute is. Each sharding
    that runs is walked in turn (steps 1 and 2 from it): it holds a different amount of memory, so
@@ -114,14 +121,30 @@ class MemoryFrontier:
             own = [index for index, level in enumerate(levels) if anchor in level]
             fitted = own[0] if own else self._fit(levels, results, running)
             if isinstance(fitted, int):
-                step = self._relax(levels[fitted:], results, running)
+                step = self._descend(anchor, micro_batch_size, levels[fitted:], results, running)
                 if step != "done":
                     return step, None
-                return "done", max((c for level in levels for c in level if c in results and results[c].measured),
-                                   key=lambda c: results[c].value)
+                walked = [c for size in self.batch_sizes if size <= micro_batch_size
+                          for level in self.levels(anchor, size) for c in level if c in results and results[c].measured]
+                return "done", max(walked, key=lambda c: results[c].value)
             if fitted is not None:
                 return fitted, None
         return "done", None
+
+    def _descend(self, anchor: Config, micro_batch_size: int, levels: list[list[Config]],
+                 results: Mapping[Config, Result], running: set[Config]) -> Step:
+        """Step 2 from the fitted level; where memory ends it, step 2 again at the next smaller
+        micro-batch from the level that ran out (the module's step 2, last paragraph)."""
+        fitted = True
+        while True:
+            step, ran_out = self._relax(levels, results, running, fitted)
+            if step != "done" or ran_out is None:
+                return step
+            smaller = [size for size in self.batch_sizes if size < micro_batch_size]
+            if not smaller:
+                return "done"
+            micro_batch_size, fitted = smaller[0], False
+            levels = [level for level in self.levels(anchor, micro_batch_size) if recompute_saving(level[0]) <= ran_out]
 
     @staticmethod
     def _fit(levels: list[list[Config]], results: Mapping[Config, Result], running: set[Config]) -> int | Step | None:
@@ -139,30 +162,35 @@ class MemoryFrontier:
         return None
 
     @staticmethod
-    def _relax(levels: list[list[Config]], results: Mapping[Config, Result], running: set[Config]) -> Step:
-        """Walk down the recompute levels below the fitted one until relaxing stops paying (the
-        module's step 2)."""
-        best = max(results[c].value for c in levels[0] if c in results and results[c].measured)
+    def _relax(levels: list[list[Config]], results: Mapping[Config, Result], running: set[Config],
+               fitted: bool) -> tuple[Step, tuple[int, int] | None]:
+        """Walk down ``levels`` until relaxing stops paying (the module's step 2): the next step and,
+        once done because memory ran out, the recompute saving of the level where it did. The first
+        level is the fitted one (measured: its untried options are not run) or, ``fitted`` false,
+        the first to try at a smaller micro-batch."""
+        best: float | None = None
         slower = 0  # levels in a row that did not beat the best above them
-        for level in levels[1:]:
+        for index, level in enumerate(levels):
             out_of_memory = any(c in results and results[c].outcome in OUT_OF_MEMORY for c in level)
             if slower and out_of_memory:
-                return "done"  # the slower level above was memory pressure
+                return "done", recompute_saving(level[0])  # the slower level above was memory pressure
             untried = [config for config in level if config not in results and config not in running]
-            if untried:
-                return untried[0]
+            if untried and not (fitted and index == 0):
+                return untried[0], None
             if any(config in running for config in level):
-                return "wait"
-            measured = [results[c].value for c in level if results[c].measured]
-            if not measured:
-                return "done"  # nothing at this level runs: lighter levels need more memory still
-            if max(measured) > best:
+                return "wait", None
+            measured = [results[c].value for c in level if c in results and results[c].measured]
+            if not measured:  # nothing at this level runs: lighter levels need more memory still
+                return "done", recompute_saving(level[0]) if out_of_memory else None
+            if best is None or max(measured) > best:
                 best, slower = max(measured), 0
                 continue
             slower += 1
-            if slower == 2 or out_of_memory:
-                return "done"
-        return "done"
+            if slower == 2:
+                return "done", None
+            if out_of_memory:
+                return "done", recompute_saving(level[0])
+        return "done", None
 
 
 def _values(config: Config, leaving_out: frozenset[str]) -> tuple:

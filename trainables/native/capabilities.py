@@ -8,10 +8,13 @@ and not with FSDP2 (the burst reports that combination ``invalid`` before step 1
 parameters move, captured graphs would read stale storage).
 """
 
-from autotune.core.contract import TrainableSupport
+from autotune.core.contract import FP32, TrainableSupport, TrainingBytes
 
 SUPPORT = TrainableSupport(
     name="native",
+    # fp32 parameters and AdamW states everywhere; bf16 autocast on CUDA, plain fp32 on the CPU.
+    training_bytes=TrainingBytes(frozen_parameter=4, trained_parameter=16, activation=2),
+    cpu_training_bytes=FP32,
     allowed={
         "tensor_model_parallel_size": frozenset({1}),
         "pipeline_model_parallel_size": frozenset({1}),

@@ -6,7 +6,10 @@ it), seeded by the request's seed, the config and the number of steps asked, so 
 promotion of one config draw differently and a run replays identically. Outcomes are
 the recorded ones: an OOM after k steps replays k steps and ends ``oom``. Time is virtual: every
 report carries the seconds the recorded burst had spent by then, start-up included, and the tuner
-charges those instead of its clock, so a campaign replays in seconds what took device-hours.
+charges those instead of its clock, so a campaign replays in seconds what took device-hours. The
+start-up is the warm one (ranks forked from a running zygote, as campaigns start them) where the
+table recorded it and the request asks for it, else the cold one; the contract's ``rank_start``
+says which.
 A replay measured nothing: its contract says so (``trainable: replay``) and carries the recorded
 burst's contract as the table holds it; it observed no knob, so its evidence is empty.
 
@@ -76,9 +79,11 @@ def run_replay_rank(request: BurstRequest, device: object, reporter: Reporter | 
 
 
 def run_replay(request: BurstRequest, reporter: Reporter | None = None) -> BurstResult:
-    row = table_for(request).row(request.config)
-    contract = Contract(trainable="replay", replayed_from=request.replay_table, recorded=row.contract)
-    elapsed = row.startup_seconds
+    table = table_for(request)
+    row = table.row(request.config)
+    start = request.replay_start if table.charged_start == "warm" else "cold"
+    contract = Contract(trainable="replay", replayed_from=request.replay_table, recorded=row.contract, rank_start=start)
+    elapsed = row.startup(start)
     records: list[StepRecord] = []
     peak = int((row.peak_memory_gib or 0.0) * GIB)
     for step, seconds in enumerate(replayed_step_seconds(row, request.steps, request.seed, request.config.describe())):
