@@ -248,7 +248,8 @@ class SearchSection(_Strict):
     configs that ran out of memory there are avoided here."""
     memory_model: bool = True
     """Reject before launch the configs the memory model, calibrated on this campaign's peaks,
-    predicts over the GPU memory limit (autotune/memory_model.py)."""
+    predicts over the memory limit: the GPU's cap, or the CPU's counted device memory
+    (autotune/memory_model.py)."""
     memory_frontier: bool = True
     """Before the sampler, walk the incumbent's memory frontier: the largest micro-batch that fits
     with the most memory saved, then the recompute it no longer needs (autotune/search/frontier.py)."""

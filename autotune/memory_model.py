@@ -23,8 +23,8 @@ The analytic part counts, per device, the bytes each config changes:
 
 Accumulating micro-batches adds no static bytes on megatron-core: gradients accumulate in the
 buffers counted above (its FSDP reduce-scatters every micro-batch). The native trainable's FSDP2
-keeps unsharded gradients until a step's last micro-batch; that is not counted, and the CPU it
-runs on has no memory limit to enforce.
+keeps unsharded gradients until a step's last micro-batch; that is not counted here, nor by the
+CPU demo's counted device memory (``trainables/native/device_memory.py``), the limit it meets there.
 
 The static bytes are counted, not guessed; activations differ from their count by factors the
 count cannot know (the allocator, the framework's saved tensors, how many images a batch carries),

@@ -174,11 +174,12 @@ class MemoryFrontier:
             out_of_memory = any(c in results and results[c].outcome in OUT_OF_MEMORY for c in level)
             if slower and out_of_memory:
                 return "done", recompute_saving(level[0])  # the slower level above was memory pressure
-            untried = [config for config in level if config not in results and config not in running]
-            if untried and not (fitted and index == 0):
-                return untried[0], None
-            if any(config in running for config in level):
-                return "wait", None
+            if not (fitted and index == 0):
+                untried = [config for config in level if config not in results and config not in running]
+                if untried:
+                    return untried[0], None
+                if any(config in running for config in level):
+                    return "wait", None
             measured = [results[c].value for c in level if c in results and results[c].measured]
             if not measured:  # nothing at this level runs: lighter levels need more memory still
                 return "done", recompute_saving(level[0]) if out_of_memory else None
