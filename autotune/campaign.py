@@ -17,13 +17,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from autotune._paths import BUILTIN_CAMPAIGNS_DIR
 from autotune.core.contract import (
-    Accelerator, BurstRequest, DataRealism, DataSpec, RecipeSpec, StackCapabilities, TrainableSupport,
+    Accelerator, BurstRequest, DataRealism, DataSpec, RankStart, RecipeSpec, StackCapabilities, TrainableSupport,
 )
 from autotune.core.errors import InputFileError
 from autotune.core.knobs import FREEZE_KNOBS_BY_PART, KNOBS, Config
 from autotune.core.model import ModelSpec
 from autotune.core.steady import MIN_WINDOW
-from autotune.core.tables import RankStart
 from autotune.resolve import resolve_checkpoint_model, resolve_model, resolve_trainable
 from autotune.rules import RuleContext
 from autotune.search import SamplerName

@@ -43,12 +43,12 @@ import optuna
 from rich.console import Console
 
 from autotune.campaign import Campaign, WorkloadSection, load_campaign
-from autotune.core.contract import FAILED_OUTCOMES
+from autotune.core.contract import FAILED_OUTCOMES, RankStart
 from autotune.core.errors import AutotuneError
 from autotune.core.knobs import FREEZE_KNOBS_BY_PART, Config
 from autotune.core.registry import REPLAY, burst_runner
 from autotune.core.steady import steady_state
-from autotune.core.tables import RankStart, RecordedBurst, RecordedTable, TableError
+from autotune.core.tables import RecordedBurst, RecordedTable, TableError
 from autotune.engine.driver import run_campaign
 from autotune.engine.live import LiveView
 from autotune.engine.probe import apply_probe, recorded_probes
@@ -131,7 +131,7 @@ def replay_campaign(table: RecordedTable, seed: int, output_dir: Path, memory_mo
         "output_dir": str(output_dir),
     })
     return dataclasses.replace(campaign, spec=spec, replay_table=table.path.resolve(),  # trials run elsewhere
-                               replay_start=start if table.charged_start == "warm" else "cold")
+                               replay_start=table.start_for(start))
 
 
 def recorded_counted_memory(table: RecordedTable) -> int | None:

@@ -20,9 +20,9 @@ from dataclasses import replace
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
-from autotune.core.contract import BurstRequest, BurstResult, Reporter, StepReport
+from autotune.core.contract import BurstRequest, BurstResult, RankStart, Reporter, StepReport
 from autotune.core.registry import rank_runner, trainable_support
 from trainables import zygote
 from trainables.zygote import Zygote, ZygoteChild
@@ -73,7 +73,7 @@ class _RelayedReporter:
 _own_zygote: tuple[Zygote, subprocess.Popen] | None = None
 
 
-def _this_process_zygote() -> tuple[Zygote, Literal["warm", "cold"]]:
+def _this_process_zygote() -> tuple[Zygote, RankStart]:
     """This process's own zygote, started on its first burst: that burst's ranks start cold."""
     global _own_zygote
     if _own_zygote is not None and _own_zygote[1].poll() is None:

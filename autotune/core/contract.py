@@ -41,6 +41,10 @@ class StackCapabilities(BaseModel):
         return self.accelerator != "cpu"
 
 
+RankStart = Literal["warm", "cold"]
+"""How a burst's ranks started: forked from a zygote already running, or one started for them."""
+
+
 @dataclass(frozen=True, slots=True)
 class TrainingBytes:
     """Bytes a trainable keeps per parameter and per activation element: the memory model's units."""
@@ -357,7 +361,7 @@ class BurstRequest:
     machine, and peaks are reported in that count."""
     replay_table: str | None = None
     """The replay trainable's recorded table (``autotune/core/tables.py``); other trainables ignore it."""
-    replay_start: Literal["warm", "cold"] = "warm"
+    replay_start: RankStart = "warm"
     """The recorded start-up a replay charges: ``warm`` (ranks forked from a zygote already running,
     as a campaign's trials start them) where its table recorded it, else ``cold``."""
     recipe: RecipeSpec | None = None

@@ -27,11 +27,11 @@ from typing import Any, Iterator, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from autotune.core.contract import RankStart
 from autotune.core.errors import AutotuneError, KnobError
 from autotune.core.knobs import Config, complete_config
 
 RecordedOutcome = Literal["ok", "oom", "invalid", "failed"]
-RankStart = Literal["warm", "cold"]
 
 
 class Grid(Protocol):
@@ -109,6 +109,10 @@ class RecordedTable:
         """The start-up a replay charges: warm, as campaigns start their trials' ranks, where every
         row recorded it; cold otherwise (a table recorded before warm start-up was measured)."""
         return "warm" if all(row.warm_startup_seconds is not None for row in self.rows.values()) else "cold"
+
+    def start_for(self, asked: RankStart) -> RankStart:
+        """The start-up a replay that asks for ``asked`` is charged: cold where the table has no warm one."""
+        return asked if self.charged_start == "warm" else "cold"
 
 
 def load_table(path: Path) -> RecordedTable:

@@ -81,7 +81,7 @@ def run_replay_rank(request: BurstRequest, device: object, reporter: Reporter | 
 def run_replay(request: BurstRequest, reporter: Reporter | None = None) -> BurstResult:
     table = table_for(request)
     row = table.row(request.config)
-    start = request.replay_start if table.charged_start == "warm" else "cold"
+    start = table.start_for(request.replay_start)
     contract = Contract(trainable="replay", replayed_from=request.replay_table, recorded=row.contract, rank_start=start)
     elapsed = row.startup(start)
     records: list[StepRecord] = []
