@@ -329,6 +329,7 @@ class Campaign:
             stack=self.stack,
             trainable=self.trainable,
             global_batch_size=self.spec.workload.global_batch_size,
+            gpus_per_node=self.spec.hardware.gpus_per_node,
         )
 
     @property

@@ -15,5 +15,5 @@ run_dir=$(ls -d runs/h200-bridge/h200-bridge-* | tail -1)
 python3 -m autotune export "$run_dir" --format bridge > "$out/winner_bridge.txt" 2>&1 || true
 python3 -m autotune report "$run_dir" > "$out/report.log" 2>&1 || true
 cp -r "$run_dir" "$out/campaign"
-python3 bench/bridge_paste_back.py "$run_dir" --steps 50 --out "$out/paste_back.json" > "$out/paste_back.log" 2>&1
+python3 bench/bridge_paste_back.py "$run_dir" --steps 50 --repeats 2 --out "$out/paste_back.json" > "$out/paste_back.log" 2>&1
 echo done > "$out/DONE"

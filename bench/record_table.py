@@ -46,10 +46,11 @@ GIB = 2**30
 
 
 @contextmanager
-def zygote(folder: Path, name: str) -> Iterator[str]:
-    """A new rank zygote listening in ``folder`` for as long as the block runs; yields its address."""
+def zygote(folder: Path, name: str, trainable: str) -> Iterator[str]:
+    """A new rank zygote of ``trainable`` listening in ``folder`` for as long as the block runs;
+    yields its address."""
     address = str(Path(tempfile.mkdtemp(prefix=name, dir=folder), "zygote.sock"))
-    process: subprocess.Popen = start_rank_zygote(address)
+    process: subprocess.Popen = start_rank_zygote(address, trainable)
     try:
         yield address
     finally:
@@ -70,7 +71,7 @@ def cold_startup(campaign: Campaign, request: BurstRequest, folder: Path) -> flo
     """Start-up of a one-step burst of the request's config whose zygote is started for it: the
     imports a burst pays when nothing is kept warm, timed from before the zygote starts."""
     started = time.perf_counter()
-    with zygote(folder, "cold") as address:
+    with zygote(folder, "cold", campaign.spec.trainable) as address:
         zygote_start = time.perf_counter() - started
         _, startup = timed_burst(campaign.spec.trainable, dataclasses.replace(request, steps=1), address)
     return zygote_start + startup
@@ -78,24 +79,25 @@ def cold_startup(campaign: Campaign, request: BurstRequest, folder: Path) -> flo
 
 def add_warm_startup(campaign: Campaign, table: Path) -> None:
     """Give every row of ``table`` that lacks it a warm start-up, from a one-step burst whose ranks
-    fork from a zygote already running; the table is rewritten once all are measured."""
+    fork from a zygote already running. The table is rewritten after each burst, so a machine
+    taken away mid-run keeps what it measured and a new run goes on from there."""
     rows = list(load_table(table).rows.items())
     todo = [config for config, row in rows if row.warm_startup_seconds is None]
     print(f"{table}: {len(rows)} rows, measuring warm start-up for {len(todo)}")
     measured: dict[Config, float] = {}
-    with tempfile.TemporaryDirectory(prefix="record-") as folder, zygote(Path(folder), "warm") as address, \
+    with tempfile.TemporaryDirectory(prefix="record-") as folder, zygote(Path(folder), "warm", campaign.spec.trainable) as address, \
             Progress() as progress:
         task = progress.add_task("warm start-up", total=len(todo))
         for config in todo:
             _, measured[config] = timed_burst(campaign.spec.trainable, campaign.burst_request(config, 1), address)
             progress.console.print(f"{config.describe()}: {measured[config]:.2f} s", markup=False)
+            rewritten = table.with_suffix(".rewrite")
+            rewritten.unlink(missing_ok=True)
+            for recorded, row in rows:
+                append_row(rewritten, row.model_copy(update={"warm_startup_seconds": measured[recorded]})
+                           if recorded in measured else row)
+            os.replace(rewritten, table)
             progress.advance(task)
-    rewritten = table.with_suffix(".rewrite")
-    rewritten.unlink(missing_ok=True)
-    for config, row in rows:
-        append_row(rewritten, row.model_copy(update={"warm_startup_seconds": measured[config]})
-                   if config in measured else row)
-    os.replace(rewritten, table)
 
 
 def main() -> None:
@@ -129,7 +131,7 @@ def main() -> None:
     stack = probe()
     print(f"{campaign.space.name}: {campaign.space.size()} configs, {len(recorded)} recorded, recording {len(todo)}")
     held: list[RecordedBurst] = []
-    with tempfile.TemporaryDirectory(prefix="record-") as folder, zygote(Path(folder), "warm") as warm, \
+    with tempfile.TemporaryDirectory(prefix="record-") as folder, zygote(Path(folder), "warm", campaign.spec.trainable) as warm, \
             Progress() as progress:
         task = progress.add_task("recording", total=len(todo))
         for config in todo:

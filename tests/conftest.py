@@ -32,6 +32,8 @@ def make_context(
     model_overrides: dict[str, Any] | None = None,
     trainable: str = "megatron",
     global_batch_size: int | None = None,
+    gpus_per_node: int | None = None,
+    nvlink_domains_labelled: bool | None = None,
     **stack: Any,
 ) -> RuleContext:
     """A context where only what a test names differs from a full-featured H200 megatron stack."""
@@ -41,6 +43,8 @@ def make_context(
         stack=StackCapabilities(**{**FULL_STACK, **stack}),
         trainable=trainable_support(trainable),
         global_batch_size=global_batch_size,
+        gpus_per_node=gpus_per_node,
+        nvlink_domains_labelled=nvlink_domains_labelled,
     )
 
 

@@ -24,36 +24,25 @@ def stuck_small_batches() -> None:
     replay.run_replay = stuck
 
 
-def slow_start() -> None:
-    """Every burst takes 4 s to start, long enough for a test to take its node away."""
-    import trainables.replay.burst as replay
-
-    recorded = replay.run_replay
-
-    def slow(request, reporter=None):
-        time.sleep(4)
-        return recorded(request, reporter)
-
-    replay.run_replay = slow
-
-
-def first_bursts_wait() -> None:
-    """Bursts that start within 15 s of the first one wait until then (every rank of the first
-    trial does: they start together), long enough for a test to find the trial's workers and take
-    a node away; later bursts run as recorded. The first burst's time is a file's (``AUTOTUNE_TEST_MARK``)."""
+def bursts_wait_for_go() -> None:
+    """Every burst marks that it started (file ``AUTOTUNE_TEST_MARK``) and waits until the test
+    says go (file ``AUTOTUNE_TEST_GO``): a test finds the running trials and takes a node away
+    however slowly the machine answers, and bursts started after that run as recorded. A burst
+    that waits 5 minutes fails, so a test that never says go fails instead of hanging."""
     import os
 
     import trainables.replay.burst as replay
 
     recorded = replay.run_replay
-    mark = os.environ["AUTOTUNE_TEST_MARK"]
+    mark, go = os.environ["AUTOTUNE_TEST_MARK"], os.environ["AUTOTUNE_TEST_GO"]
 
     def waiting(request, reporter=None):
-        try:
-            os.close(os.open(mark, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        except FileExistsError:
-            pass
-        time.sleep(max(0.0, os.stat(mark).st_mtime + 15 - time.time()))
+        open(mark, "a").close()
+        deadline = time.monotonic() + 300
+        while not os.path.exists(go):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the test never said go")
+            time.sleep(0.2)
         return recorded(request, reporter)
 
     replay.run_replay = waiting

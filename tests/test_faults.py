@@ -9,13 +9,14 @@ from __future__ import annotations
 import dataclasses
 import errno
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
-import threading
 import time
 from io import StringIO
 from pathlib import Path
+from typing import Any, Iterator
 
 import pytest
 from rich.console import Console
@@ -105,60 +106,107 @@ def test_a_trial_that_stops_reporting_is_killed_recorded_hung_and_its_slots_free
     assert any(entry.stage == "promote" and entry.outcome == "ok" for entry in launched)
 
 
-@pytest.fixture
-def two_worker_nodes():
-    """A head that runs no trial and two worker nodes whose bursts start slowly."""
+@dataclasses.dataclass
+class NightCluster:
+    """A local multi-node Ray cluster whose bursts wait for the test's go (``bursts_wait_for_go``),
+    and the campaign drivers started on it. Each driver is its own process: a test that fails
+    while its campaign still runs kills that process before the cluster goes, instead of leaving a
+    thread in the test process calling into a Ray that has shut down (which crashed the test run
+    with a segmentation fault, tests later)."""
+
+    cluster: Any
+    nodes: list[Any]
+    folder: Path
+    drivers: list[multiprocessing.process.BaseProcess] = dataclasses.field(default_factory=list)
+
+    @property
+    def started(self) -> Path:
+        return self.folder / "burst-started"
+
+    def go(self) -> None:
+        (self.folder / "go").touch()
+
+    def drive(self, campaign) -> tuple[RunDir, multiprocessing.process.BaseProcess]:
+        """Start ``campaign``'s driver in a new process connected to this cluster."""
+        run_dir = create_run_dir(campaign)
+        hook = worker_hook("bursts_wait_for_go", AUTOTUNE_TEST_MARK=str(self.started),
+                           AUTOTUNE_TEST_GO=str(self.folder / "go"))
+        driver = multiprocessing.get_context("spawn").Process(
+            target=drive_campaign, args=(self.cluster.address, hook, campaign, run_dir.path))
+        driver.start()
+        self.drivers.append(driver)
+        return run_dir, driver
+
+
+def drive_campaign(address: str, runtime_env: dict, campaign, run_dir: Path) -> None:
+    import ray
+
+    ray.init(address=address, log_to_driver=False, configure_logging=False, runtime_env=runtime_env)
+    with LiveView(Console(file=StringIO()), campaign.space, campaign.spec.objective) as view:
+        run_campaign(campaign, RunDir(run_dir), view)
+
+
+def night_cluster(folder: Path, nodes: int, cpus: int) -> Iterator[NightCluster]:
+    """A head that runs nothing and ``nodes`` worker nodes of ``cpus`` CPUs; this process is
+    connected to it only to read the state API."""
     import ray
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    nodes = [cluster.add_node(num_cpus=2) for _ in range(2)]
-    ray.init(address=cluster.address, log_to_driver=False, configure_logging=False, runtime_env=worker_hook("slow_start"))
+    night = NightCluster(cluster, [cluster.add_node(num_cpus=cpus) for _ in range(nodes)], folder)
+    ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
     try:
-        yield cluster, nodes
+        yield night
     finally:
+        for driver in night.drivers:
+            driver.kill()
+            driver.join()
         ray.shutdown()
         cluster.shutdown()
 
 
-def campaign_in_a_thread(campaign) -> tuple[RunDir, threading.Thread, list[BaseException | None]]:
-    """Start ``campaign``'s driver in a thread; ``finished`` receives ``None`` or what it raised."""
-    run_dir = create_run_dir(campaign)
-    finished: list[BaseException | None] = []
+@pytest.fixture
+def two_worker_nodes(tmp_path: Path) -> Iterator[NightCluster]:
+    yield from night_cluster(tmp_path, nodes=2, cpus=2)
 
-    def drive() -> None:
-        try:
-            with LiveView(Console(file=StringIO()), campaign.space, campaign.spec.objective) as view:
-                run_campaign(campaign, run_dir, view)
-            finished.append(None)
-        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
-            finished.append(exc)
 
-    driver = threading.Thread(target=drive)
-    driver.start()
-    return run_dir, driver, finished
+def wait_until(found, what: str, seconds: float = 180):
+    """Poll ``found()`` until it returns something true; fail naming ``what`` after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        result = found()
+        if result:
+            return result
+        time.sleep(0.5)
+    raise AssertionError(f"{what} within {seconds:.0f} s")
+
+
+def finished(run_dir: RunDir, driver) -> list:
+    """The launched trials of a campaign whose driver has ended well."""
+    driver.join(timeout=300)
+    launched = [entry for entry in run_dir.trials.read() if entry.launched]
+    assert driver.exitcode == 0, (driver.exitcode, [(e.outcome, e.reason) for e in launched])
+    return launched
 
 
 def test_a_trial_whose_node_dies_is_recorded_node_lost_and_runs_once_more_elsewhere(
-        small_table: Path, two_worker_nodes) -> None:
+        small_table: Path, two_worker_nodes: NightCluster) -> None:
     from ray.util.state import list_actors
 
-    cluster, nodes = two_worker_nodes
+    night = two_worker_nodes
     campaign = replay_campaign(load_table(small_table), 0, small_table.parent / "runs")
-    run_dir, driver, finished = campaign_in_a_thread(campaign)
-    deadline = time.monotonic() + 120
-    trial = None
-    while trial is None and time.monotonic() < deadline:
-        alive = [a for a in list_actors(filters=[("state", "=", "ALIVE")]) if "ImplicitFunc" in a.class_name]
-        trial = alive[0] if alive else None
-        time.sleep(0.5)
-    assert trial is not None, "no trial started"
-    (victim,) = [node for node in nodes if node.node_id == trial.node_id]
-    cluster.remove_node(victim)
-    driver.join(timeout=600)
-    assert finished == [None], finished
+    run_dir, driver = night.drive(campaign)
 
-    launched = [entry for entry in run_dir.trials.read() if entry.launched]
+    def a_trial_in_its_burst():
+        alive = [a for a in list_actors(filters=[("state", "=", "ALIVE")]) if "ImplicitFunc" in a.class_name]
+        return alive[0] if alive and night.started.exists() else None
+
+    trial = wait_until(a_trial_in_its_burst, "no trial started its burst")
+    (victim,) = [node for node in night.nodes if node.node_id == trial.node_id]
+    night.cluster.remove_node(victim)
+    night.go()
+    launched = finished(run_dir, driver)
+
     lost = [entry for entry in launched if entry.cause == "node_lost"]
     assert len(lost) == 1 and lost[0].outcome == "failed" and lost[0].reason.startswith("node lost: ")
     again = [entry for entry in launched if entry.retry_of is not None]
@@ -182,29 +230,17 @@ def test_only_a_dead_node_reads_as_node_lost() -> None:
 
 
 @pytest.fixture
-def one_slot_nodes(tmp_path: Path):
-    """A head that runs nothing and four 1-CPU nodes: a ``ray_train`` trial's own process (0.01 CPU)
-    leaves its node too little for one of its workers (0.995 CPU each), so its two workers always
-    run on two other nodes."""
-    import ray
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    nodes = [cluster.add_node(num_cpus=1) for _ in range(4)]
-    ray.init(address=cluster.address, log_to_driver=False, configure_logging=False,
-             runtime_env=worker_hook("first_bursts_wait", AUTOTUNE_TEST_MARK=str(tmp_path / "first-burst")))
-    try:
-        yield cluster, nodes
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+def one_slot_nodes(tmp_path: Path) -> Iterator[NightCluster]:
+    """Four 1-CPU nodes: a ``ray_train`` trial's own process (0.01 CPU) leaves its node too little
+    for one of its workers (0.995 CPU each), so its two workers always run on two other nodes."""
+    yield from night_cluster(tmp_path, nodes=4, cpus=1)
 
 
 def test_a_worker_group_that_loses_a_node_under_a_living_trial_is_node_lost_and_runs_once_more(
-        small_table: Path, one_slot_nodes) -> None:
+        small_table: Path, one_slot_nodes: NightCluster) -> None:
     from ray.util.state import list_actors
 
-    cluster, nodes = one_slot_nodes
+    night = one_slot_nodes
     # Every row runs out of memory at its first step: one screening trial (and its retry), no
     # promotion (this test is about the screen).
     table = small_table.parent / "oom_table.jsonl"
@@ -215,22 +251,21 @@ def test_a_worker_group_that_loses_a_node_under_a_living_trial_is_node_lost_and_
     hardware = campaign.spec.hardware.model_copy(update={"launcher": "ray_train"})  # a rehearsal: workers hold slots
     budget = campaign.spec.budget.model_copy(update={"max_trials": 1})
     campaign = dataclasses.replace(campaign, spec=campaign.spec.model_copy(update={"hardware": hardware, "budget": budget}))
-    run_dir, driver, finished = campaign_in_a_thread(campaign)
-    deadline = time.monotonic() + 180
-    trial, workers, running = None, [], small_table.parent / "first-burst"  # the hook's mark: bursts began
-    while not (trial and len(workers) == 2 and running.exists()) and time.monotonic() < deadline:
+    run_dir, driver = night.drive(campaign)
+
+    def a_worker_group_in_its_burst():
         alive = list_actors(filters=[("state", "=", "ALIVE")])
         trial = next((a for a in alive if "ImplicitFunc" in a.class_name), None)
         workers = [a for a in alive if "RayTrainWorker" in a.class_name]
-        time.sleep(0.5)
-    assert trial is not None and len(workers) == 2 and running.exists(), "no ray_train trial started its burst"
-    assert trial.node_id not in {w.node_id for w in workers}
-    (victim,) = [node for node in nodes if node.node_id == workers[0].node_id]
-    cluster.remove_node(victim)  # the trial's own process lives on; one of its workers does not
-    driver.join(timeout=600)
-    assert finished == [None], finished
+        return (trial, workers) if trial and len(workers) == 2 and night.started.exists() else None
 
-    launched = [entry for entry in run_dir.trials.read() if entry.launched]
+    trial, workers = wait_until(a_worker_group_in_its_burst, "no ray_train trial started its burst")
+    assert trial.node_id not in {w.node_id for w in workers}
+    (victim,) = [node for node in night.nodes if node.node_id == workers[0].node_id]
+    night.cluster.remove_node(victim)  # the trial's own process lives on; one of its workers does not
+    night.go()
+    launched = finished(run_dir, driver)
+
     lost = [entry for entry in launched if entry.cause == "node_lost"]
     assert len(lost) == 1 and lost[0].outcome == "failed", [(e.outcome, e.reason) for e in launched]
     again = [entry for entry in launched if entry.retry_of is not None]

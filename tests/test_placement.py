@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import ray
+import yaml
 from ray.cluster_utils import Cluster
 from rich.console import Console
 
@@ -89,27 +90,74 @@ def racks():
         cluster.shutdown()
 
 
-def test_trials_workers_land_inside_one_nvlink_domain(tmp_path: Path, racks) -> None:
-    path = campaign_file(tmp_path, max_trials=2, space=SPACE, accelerator="h200", gpus_per_node=4,
-                         gpus_per_trial=4, nodes=3, launcher="ray_train")
-    stack = probe() | {"device_count": 4, "device_memory_bytes": 192 * 2**30}
-    table = tmp_path / "table.jsonl"
-    for mbs in (1, 2, 4, 8):
+def replayed_campaign(path: Path, world_size: int, stack: dict, fixed: dict, batch_sizes: tuple[int, ...]) -> list:
+    """Run the campaign at ``path`` on a recorded table of its micro-batch sizes (one GPU trial's
+    workers each: no GPU work, real placement); its launched trials."""
+    table = path.parent / "table.jsonl"
+    for mbs in batch_sizes:
         append_row(table, RecordedBurst(
-            config=complete_config({"micro_batch_size": mbs, "moe_token_dispatcher_type": "alltoall",
+            config=complete_config({"micro_batch_size": mbs, **fixed,
                                     "freeze_vision_model": True}).to_plain(),  # campaign_file's workload freezes the ViT
             outcome="ok", step_seconds=[2.0] + [1.0 + 0.01 * (i % 3) for i in range(12)],
             useful_tokens_per_step=1000 * mbs, peak_memory_gib=1.0 * mbs, startup_seconds=5.0, error=None,
-            contract={"world_size": 4, "campaign": str(path), "stack": stack},
+            contract={"world_size": world_size, "campaign": str(path), "stack": stack},
         ))
     campaign = dataclasses.replace(load_campaign(path), replay_table=table)
     run_dir = create_run_dir(campaign)
     with LiveView(Console(file=StringIO()), campaign.space, campaign.spec.objective) as view:
         run_campaign(campaign, run_dir, view)
-    launched = [entry for entry in run_dir.trials.read() if entry.launched]
+    return [entry for entry in run_dir.trials.read() if entry.launched]
+
+
+def test_trials_workers_land_inside_one_nvlink_domain(tmp_path: Path, racks) -> None:
+    path = campaign_file(tmp_path, max_trials=2, space=SPACE, accelerator="h200", gpus_per_node=4,
+                         gpus_per_trial=4, nodes=3, launcher="ray_train")
+    stack = probe() | {"device_count": 4, "device_memory_bytes": 192 * 2**30}
+    launched = replayed_campaign(path, 4, stack, {"moe_token_dispatcher_type": "alltoall"}, (1, 2, 4, 8))
     assert len(launched) == 3  # 2 screened, 1 promoted
     for entry in launched:
         workers = entry.contract.workers
         assert len(workers) == 4
         assert {racks[w.node_id] for w in workers} == {w.nvlink_domain for w in workers}
         assert len({w.nvlink_domain for w in workers}) == 1, workers
+        assert entry.contract.environment == {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}  # Hopper, TP 1, no DeepEP
+
+
+HYBRID_EP_SPACE = {
+    "name": "hybrid_ep_placement_test",
+    "target": {"model": "cpu_tiny_moe_vlm", "trainable": "megatron", "gpus_per_trial": 4, "stack": {"accelerator": "gb200"}},
+    "tune": {"micro_batch_size": [1, 2]},
+    "fixed": {"moe_token_dispatcher_type": "flex", "moe_flex_dispatcher_backend": "hybridep",
+              "expert_model_parallel_size": 4},
+}
+
+
+@pytest.mark.parametrize("trays, ranks_per_domain", [(("rack-a", "rack-a"), "4"), (("rack-a", "rack-b"), "2")],
+                         ids=["one-rack", "two-racks"])
+def test_a_hybrid_ep_trial_is_told_how_many_of_its_ranks_share_an_nvlink_domain(
+        tmp_path: Path, trays: tuple[str, str], ranks_per_domain: str) -> None:
+    """Two GB200 trays (of 2 GPUs here, to keep the test small); each trial's EP group of 4 takes
+    both. In one rack its 4 ranks share one NVLink domain across the trays (MNNVL); over two racks
+    each holds 2 of them."""
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0})
+    for domain in trays:
+        cluster.add_node(num_cpus=4, num_gpus=2, labels={NVLINK_DOMAIN_LABEL: domain})
+    ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
+    try:
+        path = campaign_file(tmp_path, max_trials=1, space=HYBRID_EP_SPACE, accelerator="gb200", gpus_per_node=2,
+                             gpus_per_trial=4, nodes=2, launcher="ray_train")
+        campaign = yaml.safe_load(path.read_text())
+        campaign["trainable"] = "megatron"
+        path.write_text(yaml.safe_dump(campaign))
+        stack = probe() | {"accelerator": "gb200", "device_count": 2, "device_memory_bytes": 192 * 2**30,
+                           "megatron_core": "0.19.2", "transformer_engine": "2.20.2", "hybrid_ep": True}
+        launched = replayed_campaign(path, 4, stack, HYBRID_EP_SPACE["fixed"], (1, 2))
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    assert launched and all(entry.outcome in ("ok", "pruned") for entry in launched), [(e.outcome, e.reason)
+                                                                                       for e in launched]
+    for entry in launched:
+        assert [w.nvlink_domain for w in entry.contract.workers] == [trays[0]] * 2 + [trays[1]] * 2
+        assert entry.contract.environment == {"CUDA_DEVICE_MAX_CONNECTIONS": "32", "USE_MNNVL": "1",
+                                              "NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN": ranks_per_domain}

@@ -128,3 +128,25 @@ def _running(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return state != "Z"
+
+
+def test_a_zygote_holds_its_trainables_stack_where_installed(tmp_path: Path) -> None:
+    """The megatron trainable's ranks find megatron-core imported; Transformer Engine, absent
+    from this box, is left to the rank that needs it."""
+    from autotune.core.registry import start_rank_zygote
+
+    address = str(tmp_path / "megatron.sock")
+    process = start_rank_zygote(address, "megatron")
+    try:
+        ours, theirs = Pipe()
+        child = Zygote(address).fork("test_zygote:send_imported", (("megatron.core", "transformer_engine"),), theirs)
+        theirs.close()
+        assert ours.recv() == {"megatron.core": True, "transformer_engine": False}
+        child.join(timeout=30)
+    finally:
+        process.kill()
+        process.wait()
+
+
+def send_imported(relay, modules: tuple[str, ...]) -> None:
+    relay.send({module: module in sys.modules for module in modules})

@@ -20,11 +20,10 @@ from dataclasses import replace
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Mapping, TypeVar
 
 from autotune.core.contract import BurstRequest, BurstResult, RankStart, Reporter, StepReport
-from autotune.core.registry import rank_runner, trainable_support
-from trainables import zygote
+from autotune.core.registry import rank_runner, start_rank_zygote, trainable_support
 from trainables.zygote import Zygote, ZygoteChild
 
 if TYPE_CHECKING:
@@ -73,13 +72,14 @@ class _RelayedReporter:
 _own_zygote: tuple[Zygote, subprocess.Popen] | None = None
 
 
-def _this_process_zygote() -> tuple[Zygote, RankStart]:
-    """This process's own zygote, started on its first burst: that burst's ranks start cold."""
+def _this_process_zygote(trainable: str) -> tuple[Zygote, RankStart]:
+    """This process's own zygote, started on its first burst (of ``trainable``, whose stack it
+    imports): that burst's ranks start cold."""
     global _own_zygote
     if _own_zygote is not None and _own_zygote[1].poll() is None:
         return _own_zygote[0], "warm"
     address = str(Path(tempfile.mkdtemp(prefix="ranks-"), "zygote"))
-    _own_zygote = Zygote(address), zygote.start(address)
+    _own_zygote = Zygote(address), start_rank_zygote(address, trainable)
     return _own_zygote[0], "cold"
 
 
@@ -123,15 +123,15 @@ def run_local(request: BurstRequest, reporter: Reporter | None = None, trainable
     """
     warm = Zygote(warm_ranks) if warm_ranks is not None else None
     if (warm is None and request.world_size == 1 and request.cpu_memory_cap_bytes is None
-            and not trainable_support(trainable).fresh_process):
+            and not request.environment and not trainable_support(trainable).fresh_process):
         import torch
 
         torch.set_num_threads(cpu_threads_per_rank(1))
-        return _with_rank_start(rank_runner(trainable)(request, device_for(0), reporter), "in_process")
+        return _with_rank_start(rank_runner(trainable)(request, device_for(0), reporter), "in_process", {})
     # More ranks, a CPU memory cap (it bounds the address space a process *adds*, and the
     # caller's heap may hold freed memory the burst would reuse uncounted), a trainable with
     # process-global state, or a warm zygote: the ranks start in fresh processes.
-    source, start = (warm, "warm") if warm is not None and warm.listening() else _this_process_zygote()
+    source, start = (warm, "warm") if warm is not None and warm.listening() else _this_process_zygote(trainable)
     with tempfile.TemporaryDirectory(prefix="burst-") as out_dir:
         port = _free_port()
         processes: list[ZygoteChild] = []
@@ -145,8 +145,9 @@ def run_local(request: BurstRequest, reporter: Reporter | None = None, trainable
                     processes.append(source.fork(
                         "trainables.launch:_rank_main",
                         (trainable, rank, request.world_size, port, request, out_dir, reporter is not None), theirs,
+                        request.environment,
                     ))
-            stragglers = _supervise(processes, relays[0], reporter, start)
+            stragglers = _supervise(processes, relays[0], reporter, start, request.environment)
         finally:
             for process in processes:
                 process.kill()
@@ -162,14 +163,16 @@ def run_local(request: BurstRequest, reporter: Reporter | None = None, trainable
                 results.append(BurstResult(outcome="failed", error=_exit_reason(rank, process.exitcode)))
         if len(processes) < request.world_size:  # a rank could not be forked: its peers wait for it in vain
             results.append(BurstResult(outcome="failed", error=f"rank {len(processes)} could not be started"))
-    return _with_rank_start(merge_rank_results(results), start)
+    return _with_rank_start(merge_rank_results(results), start, request.environment)
 
 
-def _with_rank_start(result: BurstResultOrReport, start: str) -> BurstResultOrReport:
-    """``result`` (a burst's, or a step's report) with how its ranks started in its contract, if it has one."""
+def _with_rank_start(result: BurstResultOrReport, start: str, environment: Mapping[str, str]) -> BurstResultOrReport:
+    """``result`` (a burst's, or a step's report) with how its ranks started, and the environment
+    they were given, in its contract, if it has one."""
     if result.contract is None:
         return result
-    return replace(result, contract=result.contract.model_copy(update={"rank_start": start}))
+    return replace(result, contract=result.contract.model_copy(
+        update={"rank_start": start, "environment": dict(environment) or None}))
 
 
 def _exit_reason(rank: int, exitcode: int | None) -> str:
@@ -178,7 +181,8 @@ def _exit_reason(rank: int, exitcode: int | None) -> str:
     return f"rank {rank} exited with code {exitcode} before reporting"
 
 
-def _supervise(processes: list[ZygoteChild], relay: Connection, reporter: Reporter | None, start: str) -> set[int]:
+def _supervise(processes: list[ZygoteChild], relay: Connection, reporter: Reporter | None, start: str,
+               environment: Mapping[str, str]) -> set[int]:
     """Relay rank 0's reports to ``reporter`` until every rank exits; kill ranks left stuck
     after another one exited (they wait in a collective for a rank that is gone) and return them."""
     first_exit: float | None = None
@@ -192,7 +196,7 @@ def _supervise(processes: list[ZygoteChild], relay: Connection, reporter: Report
             except EOFError:  # rank 0 ended
                 reporter = None
                 continue
-            relay.send(bool(reporter(_with_rank_start(report, start))))
+            relay.send(bool(reporter(_with_rank_start(report, start, environment))))
         if first_exit is None and any(not process.is_alive() for process in processes):
             first_exit = time.monotonic()
         if first_exit is not None and time.monotonic() - first_exit > STRAGGLER_GRACE_SECONDS:

@@ -21,7 +21,8 @@ Protocol, one connection per child: the requester sends the child's end of its r
 descriptor) and then a pickled :class:`ForkRequest`; the zygote answers with the child's pid, and
 later with its exit code (negative: the signal that ended it).
 
-  python -m trainables.zygote SOCKET_PATH READY_FD [MODULE ...]   # writes "ready" to READY_FD once it listens
+  python -m trainables.zygote SOCKET_PATH READY_FD [MODULE ...] [--where-installed MODULE ...]
+  # writes "ready" to READY_FD once it listens
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import importlib
+import logging
 import os
 import select
 import selectors
@@ -41,13 +43,15 @@ import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 PRELOAD = ("trainables.native.burst", "torch._dynamo")
 """What every child finds imported: torch, the native trainable and our data code, and
 ``torch._dynamo``, which torch's optimizers import on first construction (0.76 s of a CPU demo
 rank's build)."""
 READY = b"ready\n"
+WHERE_INSTALLED = "--where-installed"
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -111,24 +115,29 @@ class Zygote:
                 return False
         return True
 
-    def fork(self, target: str, args: tuple[Any, ...], relay: Connection) -> ZygoteChild:
-        """Fork a child that runs ``target(relay, *args)``; ``relay`` is the child's end of a
-        :func:`multiprocessing.Pipe`, which the caller may close once this returns."""
+    def fork(self, target: str, args: tuple[Any, ...], relay: Connection,
+             environment: Mapping[str, str] | None = None) -> ZygoteChild:
+        """Fork a child that runs ``target(relay, *args)`` in this process's environment with
+        ``environment`` set on top; ``relay`` is the child's end of a :func:`multiprocessing.Pipe`,
+        which the caller may close once this returns."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.connect(self.address)
         socket.send_fds(sock, [b"f"], [relay.fileno()])
         connection = Connection(sock.detach())
-        connection.send(ForkRequest(target, args, requester_pid=os.getpid()))
+        connection.send(ForkRequest(target, args, requester_pid=os.getpid(),
+                                    environ={**os.environ, **(environment or {})}))
         return ZygoteChild(connection, connection.recv())
 
 
-def start(address: str, preload: Sequence[str] = PRELOAD) -> subprocess.Popen:
+def start(address: str, preload: Sequence[str] = PRELOAD, where_installed: Sequence[str] = ()) -> subprocess.Popen:
     """Start a zygote listening at ``address`` (a new path in a directory only we can enter) and
-    wait until it has imported ``preload``; it ends when the calling process does."""
+    wait until it has imported ``preload``, and those of ``where_installed`` that are installed (a
+    trainable's stack: a rank that needs a missing one fails on its own import, with its own
+    error); it ends when the calling process does."""
     ready_read, ready_write = os.pipe()
     try:
-        process = subprocess.Popen([sys.executable, "-m", "trainables.zygote", address, str(ready_write), *preload],
-                                   pass_fds=(ready_write,))
+        process = subprocess.Popen([sys.executable, "-m", "trainables.zygote", address, str(ready_write), *preload,
+                                    WHERE_INSTALLED, *where_installed], pass_fds=(ready_write,))
     finally:
         os.close(ready_write)
     with open(ready_read, "rb") as ready:
@@ -139,14 +148,20 @@ def start(address: str, preload: Sequence[str] = PRELOAD) -> subprocess.Popen:
     return process
 
 
-def serve(address: str, ready_fd: int, preload: Sequence[str]) -> None:
+def serve(address: str, ready_fd: int, preload: Sequence[str], where_installed: Sequence[str] = ()) -> None:
     """The zygote's loop: fork on request, report each child's exit, end with the parent."""
     parent = os.pidfd_open(os.getppid())
     os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
     for module in preload:
         importlib.import_module(module)
+    for module in where_installed:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            log.info("the rank zygote did not preload %s: %s", module, exc)
+    imported = ", ".join([*preload, *where_installed])
     if "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized():
-        raise RuntimeError(f"importing {', '.join(preload)} initialised CUDA; its children could not use it")
+        raise RuntimeError(f"importing {imported} initialised CUDA; its children could not use it")
     wake_read, wake_write = os.pipe()
     os.set_blocking(wake_write, False)
     signal.set_wakeup_fd(wake_write)
@@ -261,4 +276,6 @@ def _die_with(pid: int) -> None:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1], int(sys.argv[2]), sys.argv[3:])
+    modules = sys.argv[3:]
+    split = modules.index(WHERE_INSTALLED) if WHERE_INSTALLED in modules else len(modules)
+    serve(sys.argv[1], int(sys.argv[2]), modules[:split], modules[split + 1:])

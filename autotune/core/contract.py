@@ -94,6 +94,9 @@ class TrainableSupport:
     """What it keeps per parameter and activation on CUDA (the memory model counts in these)."""
     cpu_training_bytes: TrainingBytes | None = None
     """The same on the CPU, where it trains in another precision."""
+    rank_imports: tuple[str, ...] = ()
+    """The stack its ranks import before they build anything (megatron-core, TE, Bridge), where
+    installed: a warm rank zygote imports them once, so a burst forked from it does not."""
 
     def bytes_on(self, accelerator: str) -> TrainingBytes:
         return (self.cpu_training_bytes or self.training_bytes) if accelerator == "cpu" else self.training_bytes
@@ -294,6 +297,9 @@ class Contract(_Record):
     recipe_overrides: tuple[str, ...] | None = None
     """Every override the ``bridge`` burst applied to the recipe, the user's first: its config is
     the recipe with exactly these."""
+    environment: dict[str, str] | None = None
+    """What the ranks' environment was given from the fabric under them (CUDA connections, HybridEP's
+    ranks per NVLink domain, MNNVL)."""
     rank_start: Literal["in_process", "cold", "warm"] | None = None
     """How the burst's ranks started: in the trial's own process, or forked from a zygote that held
     torch and the trainables' imports, one that was started for this burst (``cold``) or one already
@@ -370,6 +376,9 @@ class BurstRequest:
     """Samples per optimizer step over all replicas, as the user's recipe fixes it: each replica
     accumulates GBS / (MBS × DP) micro-batches per step. ``None``: one micro-batch per pipeline
     stage, so the global batch follows MBS (tables recorded before the workload declared one)."""
+    environment: Mapping[str, str] = field(default_factory=dict)
+    """Set in every rank's environment before it starts: what the fabric under the trial's
+    placement needs (``autotune/core/fabric.py``); the contract records it."""
 
     @property
     def micro_batches_per_step(self) -> int:

@@ -67,10 +67,12 @@ def rank_runner(name: str) -> Callable[[BurstRequest, "torch.device", Reporter |
     return _load(TRAINABLES[name].rank_runner)
 
 
-def start_rank_zygote(address: str) -> "subprocess.Popen":
-    """Start a process that holds torch's and the trainables' imports and forks burst ranks on
-    request, listening at ``address``; it ends with the calling process (``trainables.zygote``)."""
-    return _load("trainables.zygote:start")(address)
+def start_rank_zygote(address: str, trainable: str) -> "subprocess.Popen":
+    """Start a process that holds torch's, the trainables' and ``trainable``'s stack's imports and
+    forks burst ranks on request, listening at ``address``; it ends with the calling process
+    (``trainables.zygote``)."""
+    imports = trainable_support(trainable).rank_imports if trainable != REPLAY else ()
+    return _load("trainables.zygote:start")(address, where_installed=imports)
 
 
 def _load(reference: str):

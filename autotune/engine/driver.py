@@ -9,6 +9,7 @@ screening early, never promotion of what screening found.
 
 from __future__ import annotations
 
+
 import errno
 import logging
 import os
@@ -86,7 +87,7 @@ def run_campaign(campaign: Campaign, run_dir: RunDir, view: LiveView) -> Campaig
     job = _trial_job(campaign, run_dir)
     limit = memory_limit_bytes(campaign, probes)
     # Local trials fork their ranks from a zygote per node that outlives them (start-up cost).
-    with warm_ranks(job.launcher == "local" and job.trainable != REPLAY) as token:
+    with warm_ranks(job.trainable if job.launcher == "local" and job.trainable != REPLAY else None) as token:
         job = replace(job, warm_ranks=token)
         _tune_spaces(campaign, run_dir, ledger, job, view, limit, _domain_planner(job, view))
     verdict = decide(ledger.launched("promote"))
@@ -153,8 +154,11 @@ def _tune_space(campaign: Campaign, space: SearchSpace, study_name: str, run_dir
     )
 
     spec = campaign.spec
+    # Rules read whether the cluster's nodes say which NVLink domain they are in.
+    rule_context = replace(campaign.rule_context,
+                           nvlink_domains_labelled=planner is not None if job.use_gpu else None)
     proposer = Proposer(
-        space, campaign.rule_context, run_dir.study_path, study_name,
+        space, rule_context, run_dir.study_path, study_name,
         sampler=spec.search.sampler, seed=spec.search.seed, startup_trials=spec.search.startup_trials,
         memory=campaign.memory_model(memory_limit) if spec.search.memory_model else None,
         memory_frontier=spec.search.memory_frontier,
@@ -215,6 +219,8 @@ def _trial_job(campaign: Campaign, run_dir: RunDir) -> TrialJob:
         storage_path=str(run_dir.ray_storage / "train"),
         data_source=spec.data.source,
         max_concurrent=campaign.trials_at_once if replay else None,
+        accelerator=hardware.accelerator,
+        gpus_per_node=hardware.gpus_per_node,
     )
 
 

@@ -32,6 +32,7 @@ from autotune.bursts import data_folder
 from autotune.core.contract import (
     BurstRequest, BurstResult, Contract, Evidence, Outcome, StepRecord, StepReport, WorkerPlacement,
 )
+from autotune.core.fabric import FabricRefused, placed_environment, planned_environment
 from autotune.core.knobs import complete_config
 from autotune.core.registry import REPLAY, burst_runner, rank_runner
 from autotune.engine.placement import NVLINK_DOMAIN_LABEL, label_selectors
@@ -74,9 +75,17 @@ class TrialJob:
     warm_ranks: str | None = None
     """The campaign's token for its nodes' rank zygotes (:mod:`autotune.engine.warm_ranks`), which
     ``local`` trials fork their ranks from; ``None``: each trial starts its own."""
+    accelerator: str = "cpu"
+    gpus_per_node: int = 1
 
     def request_for(self, params: dict[str, Any]) -> BurstRequest:
-        request = replace(self.request, config=complete_config(params["config"]), steps=params["steps"])
+        """The trial's burst; raises :class:`FabricRefused` where its placement cannot give HybridEP
+        what it needs."""
+        config = complete_config(params["config"])
+        # A rehearsal on GPU nodes (a replay through Ray Train) gets what the recorded trainable would.
+        environment = planned_environment(config, self.accelerator, self.gpus_per_node, self.request.world_size,
+                                          params.get("placement")) if self.use_gpu else {}
+        request = replace(self.request, config=config, steps=params["steps"], environment=environment)
         if self.trainable == REPLAY:
             return request
         folder = data_folder(self.data_source, self.request.data.folder, Path.cwd())
@@ -183,7 +192,11 @@ class _TuneReporter:
 
 def run_trial(params: dict[str, Any], job: TrialJob) -> None:
     """The Tune function trainable."""
-    request = job.request_for(params)
+    try:
+        request = job.request_for(params)
+    except FabricRefused as exc:  # before any rank starts: it cost nothing
+        tune.report(end_result(BurstResult(outcome="invalid", error=str(exc))))
+        return
     reporter = _TuneReporter(job)
     os.environ["TUNE_FUNCTION_THREAD_TIMEOUT_S"] = str(REUSE_WAIT_S)  # read when Tune reuses this process
     if job.launcher == "local":
@@ -220,6 +233,8 @@ def _run_on_ray_train(job: TrialJob, request: BurstRequest, params: dict[str, An
             name=f"burst-{tune.get_context().get_trial_id()}",
             storage_path=job.storage_path,
             callbacks=[TuneReportCallback()],
+            # before the worker's CUDA context: Ray Train sets its device before the loop starts
+            worker_runtime_env={"env_vars": dict(request.environment)},
         ),
     )
     try:
@@ -249,17 +264,36 @@ def _worker_loop(config: dict[str, Any]) -> None:
         torch.cuda.set_device(device)  # before the first collective: NCCL gathers on the current device
     workers: list[Any] = [None] * request.world_size
     dist.all_gather_object(workers, _where_this_runs(ray.get_runtime_context()))
+    where = {"workers": tuple(workers), "environment": dict(request.environment) or None}
 
     def report_step(report: StepReport) -> bool:
         if report.contract is not None:
-            report = replace(report, contract=report.contract.model_copy(update={"workers": tuple(workers)}))
+            report = replace(report, contract=report.contract.model_copy(update=where))
         ray.train.report(step_result(report, job.objective, request.world_size) if rank == 0 else {})
         return True
 
-    result = rank_runner(job.trainable)(request, device, report_step)
+    misplaced = _misplaced(job, request, workers)
+    result = (BurstResult(outcome="failed", error=misplaced) if misplaced is not None
+              else rank_runner(job.trainable)(request, device, report_step))
     if result.contract is not None:
-        result = replace(result, contract=result.contract.model_copy(update={"workers": tuple(workers)}))
+        result = replace(result, contract=result.contract.model_copy(update=where))
     ray.train.report(end_result(result) if rank == 0 else {})
+
+
+def _misplaced(job: TrialJob, request: BurstRequest, workers: list[WorkerPlacement]) -> str | None:
+    """Why the ranks' environment, planned before they started, does not fit where Ray put them
+    (``None`` when it does): HybridEP would run with wrong domain settings."""
+    if not request.environment:
+        return None
+    try:
+        placed = placed_environment(request.config, job.accelerator, [w.node_id for w in workers],
+                                    [w.nvlink_domain for w in workers])
+    except FabricRefused as exc:
+        return f"the ranks started where HybridEP cannot run: {exc}"
+    if placed != dict(request.environment):
+        return (f"the ranks were given {dict(request.environment)} for their planned placement, but where they "
+                f"started needs {placed}")
+    return None
 
 
 def _where_this_runs(context: Any) -> WorkerPlacement:

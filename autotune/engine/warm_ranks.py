@@ -41,25 +41,25 @@ def zygote_address(token: str, node_id: str) -> str:
 class _NodeZygote:
     """Starts its node's zygote and keeps it: the zygote ends with this actor's process."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, trainable: str) -> None:
         Path(address).parent.mkdir(mode=0o700, exist_ok=True)
-        self.process = start_rank_zygote(address)
+        self.process = start_rank_zygote(address, trainable)
 
     def pid(self) -> int:
         return self.process.pid
 
 
 @contextmanager
-def warm_ranks(enabled: bool) -> Iterator[str | None]:
-    """Start a zygote on every alive node with CPUs and yield the campaign's token (``None``
-    when ``enabled`` is false or no zygote started); stop them after."""
-    if not enabled:
+def warm_ranks(trainable: str | None) -> Iterator[str | None]:
+    """Start a zygote holding ``trainable``'s imports on every alive node with CPUs and yield the
+    campaign's token (``None`` when ``trainable`` is ``None`` or no zygote started); stop them after."""
+    if trainable is None:
         yield None
         return
     token = uuid.uuid4().hex[:8]
     actors = [
         _NodeZygote.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False))
-        .remote(zygote_address(token, node["NodeID"]))
+        .remote(zygote_address(token, node["NodeID"]), trainable)
         for node in ray.nodes() if node["Alive"] and node["Resources"].get("CPU", 0) > 0
     ]
     try:

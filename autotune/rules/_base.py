@@ -29,6 +29,10 @@ class RuleContext:
     trainable: TrainableSupport
     global_batch_size: int | None = None
     """The workload's samples per optimizer step (``None``: the global batch follows MBS)."""
+    gpus_per_node: int | None = None
+    nvlink_domains_labelled: bool | None = None
+    """Whether the cluster's GPU nodes say which NVLink domain they are in (``None``: no cluster
+    is known, as when a campaign is validated offline)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from autotune.core.fabric import unknown_domain_problem
 from autotune.core.knobs import Config
 from autotune.rules._base import RuleContext, rule
 
@@ -43,3 +44,14 @@ def _shared_expert_overlap(config: Config, ctx: RuleContext) -> str | None:
     ):
         return f"{model.name} overlaps its shared expert, which only works with the alltoall dispatcher"
     return None
+
+
+@rule(
+    "hybridep_across_trays_needs_domain_labels",
+    source="stack",
+    summary="HybridEP over several GB200 trays needs nodes labelled with their NVLink domain",
+)
+def _hybridep_domains(config: Config, ctx: RuleContext) -> str | None:
+    if ctx.nvlink_domains_labelled is None or ctx.gpus_per_node is None:
+        return None
+    return unknown_domain_problem(config, ctx.stack.accelerator, ctx.gpus_per_node, ctx.nvlink_domains_labelled)

@@ -31,11 +31,15 @@ knobs, with every part the space lets freeze frozen (the seed: a small real gain
    demo's counted-memory table MBS 8 fits under DDP only with full recompute (650 useful tokens/s
    per rank), and the best is MBS 4 without recompute (708), which the walk never reached when it
    stopped at MBS 8.
-3. The best config of the walk is tried with each other data-parallel sharding the space offers
-   (FSDP against DDP): the other trade of memory for time, settled once recompute is. Each sharding
-   that runs is walked in turn (steps 1 and 2 from it): it holds a different amount of memory, so
-   its frontier and the recompute it can do without are its own (on the CPU table, selective
-   ``core_attn`` beat ``none`` under FSDP2 and lost to it under DDP, where DDP was fastest).
+3. Where the frontier is set (the most saving config measured at its micro-batch), the config is
+   tried with each other data-parallel sharding the space offers (FSDP against DDP): the other
+   trade of memory for time. Then each sharding that runs there is walked (steps 1 and 2 from it),
+   the fastest there first: it holds a different amount of memory, so its frontier and the
+   recompute it can do without are its own (on the CPU table, selective ``core_attn`` beat ``none``
+   under FSDP2 and lost to it under DDP, where DDP was fastest). Settling the sharding first
+   matters when the campaign's patience is short: on the CPU demo's counted-memory table FSDP2
+   won the warm starts, and a walk that relaxed FSDP2's recompute to the end first ran out of
+   patience before DDP, where the best is, in 9 seeds of 10.
 
 The walk is a function of the results so far, so a campaign that resumes walks on from where it
 was, and a new incumbent (found by the sampler, or by step 3) walks from where it stands: with
@@ -97,39 +101,49 @@ class MemoryFrontier:
     def next(self, anchor: Config | None, results: Mapping[Config, Result], running: set[Config]) -> Step:
         if anchor is None:
             return "wait"
-        step, best = self._walk(anchor, results, running)
-        if best is None:
+        step, fit = self._fitted(anchor, results, running)
+        if fit is None:
             return step
-        for variant in self.shardings[_values(best, SHARDING_KNOBS)]:
-            if variant == best:
-                continue
+        shardings = self.shardings[_values(fit, SHARDING_KNOBS)]
+        for variant in shardings:
             if variant in running:
                 return "wait"
             if variant not in results:
                 return variant
-            if results[variant].measured and (step := self._walk(variant, results, running)[0]) != "done":
+        for variant in sorted((v for v in shardings if results[v].measured), key=lambda v: -results[v].value):
+            if (step := self._walk(anchor if variant == fit else variant, results, running)) != "done":
                 return step
         return "done"
 
-    def _walk(self, anchor: Config, results: Mapping[Config, Result], running: set[Config]) -> tuple[Step, Config | None]:
-        """Steps 1 and 2 from ``anchor``: the next step, and once they are done the best config they
-        measured (``None`` while they go on, or when nothing fits)."""
+    def _fitted(self, anchor: Config, results: Mapping[Config, Result], running: set[Config]) -> tuple[Step, Config | None]:
+        """Step 1 from ``anchor``: the next step, and once it is done the config that set the
+        frontier (``None`` while it goes on, or when nothing fits): the most saving config measured
+        at the frontier's micro-batch, so every incumbent at one frontier compares the shardings
+        at the same config."""
         for micro_batch_size in self.batch_sizes:
             if micro_batch_size < anchor.micro_batch_size:
                 break
             levels = self.levels(anchor, micro_batch_size)
-            own = [index for index, level in enumerate(levels) if anchor in level]
-            fitted = own[0] if own else self._fit(levels, results, running)
+            fitted = self._fit(levels, results, running)
             if isinstance(fitted, int):
-                step = self._descend(anchor, micro_batch_size, levels[fitted:], results, running)
-                if step != "done":
-                    return step, None
-                walked = [c for size in self.batch_sizes if size <= micro_batch_size
-                          for level in self.levels(anchor, size) for c in level if c in results and results[c].measured]
-                return "done", max(walked, key=lambda c: results[c].value)
+                return "done", next(c for c in levels[fitted] if c in results and results[c].measured)
+            if any(anchor in level for level in levels):
+                return "done", anchor  # saving more than the incumbent would only cost time
             if fitted is not None:
                 return fitted, None
         return "done", None
+
+    def _walk(self, anchor: Config, results: Mapping[Config, Result], running: set[Config]) -> Step:
+        """Steps 1 and 2 from ``anchor``: the next step, or ``done``."""
+        step, fit = self._fitted(anchor, results, running)
+        if fit is None:
+            return step
+        levels = self.levels(anchor, fit.micro_batch_size)
+        # from the anchor's own level where it is at the frontier's micro-batch (what lies above it
+        # is not new), else from the level that set the frontier
+        start = next((i for i, level in enumerate(levels) if anchor in level),
+                     next(i for i, level in enumerate(levels) if fit in level))
+        return self._descend(anchor, fit.micro_batch_size, levels[start:], results, running)
 
     def _descend(self, anchor: Config, micro_batch_size: int, levels: list[list[Config]],
                  results: Mapping[Config, Result], running: set[Config]) -> Step:

@@ -7,4 +7,10 @@ both the trial's ``invalid`` outcome. What the installed stack cannot run is the
 
 from autotune.core.contract import TrainableSupport
 
-SUPPORT = TrainableSupport(name="bridge", requires_cuda=True, megatron_core_layers=True, fresh_process=True)
+SUPPORT = TrainableSupport(
+    name="bridge", requires_cuda=True, megatron_core_layers=True, fresh_process=True,
+    # Not Bridge itself: it imports huggingface_hub, which must first see the burst's offline
+    # checkpoints (``recipe.go_offline``).
+    rank_imports=("transformer_engine.pytorch", "megatron.core.models.gpt", "megatron.core.distributed",
+                  "megatron.core.optimizer", "megatron.core.pipeline_parallel"),
+)

@@ -14,4 +14,6 @@ SUPPORT = TrainableSupport(
     # A full-iteration graph needs megatron-core's FullCudaGraphWrapper around the whole
     # forward-backward, which this trainable's loop does not build.
     allowed={"cuda_graph_impl": frozenset({"none", "local", "transformer_engine"})},
+    rank_imports=("transformer_engine.pytorch", "trainables.megatron.model", "megatron.core.distributed",
+                  "megatron.core.optimizer", "megatron.core.pipeline_parallel"),
 )
