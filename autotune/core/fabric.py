@@ -12,10 +12,10 @@ is left unset (a label tells which nodes share a domain, not how large the rack 
 NCCL's MNNVL switches, whose default detects the fabric.
 Megatron-Bridge's GB200 recipes set them per launch from the recipe's EP (ranks per domain = EP,
 domain 72, ``USE_MNNVL=1``), which is right only when the whole group sits in one rack; a trial
-knows its placement. ``CUDA_DEVICE_MAX_CONNECTIONS`` follows Bridge's rule (``perf_plugins``): 32
-for DeepEP or HybridEP and on Blackwell, 1 where TP or CP > 1 on Hopper (so communication kernels
-queue ahead of compute), 8 (CUDA's default) otherwise, and never 1 with FSDP, which megatron-core
-refuses.
+knows its placement. ``CUDA_DEVICE_MAX_CONNECTIONS`` follows Bridge's rule: 32 for DeepEP or
+HybridEP and on Blackwell, 1 where TP or CP > 1 on Hopper (so communication kernels queue ahead of
+compute; Bridge keeps 8 where the expert all-to-all overlaps compute, which no knob here turns on),
+8 (CUDA's default) otherwise, and never 1 with FSDP, which megatron-core refuses.
 
 Nodes name their NVLink domain with a Ray label (``autotune.engine.placement``). Where they carry
 none, a domain is a node: right on H100/H200/B200 systems, whose NVLink ends at the node. On GB200 it

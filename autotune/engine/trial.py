@@ -77,6 +77,8 @@ class TrialJob:
     ``local`` trials fork their ranks from; ``None``: each trial starts its own."""
     accelerator: str = "cpu"
     gpus_per_node: int = 1
+    """With the searcher's placement, what each GPU trial's fabric environment is planned from
+    (:mod:`autotune.core.fabric`)."""
 
     def request_for(self, params: dict[str, Any]) -> BurstRequest:
         """The trial's burst; raises :class:`FabricRefused` where its placement cannot give HybridEP
