@@ -9,7 +9,6 @@ screening early, never promotion of what screening found.
 
 from __future__ import annotations
 
-
 import errno
 import logging
 import os

@@ -111,7 +111,9 @@ class MemoryFrontier:
             if variant not in results:
                 return variant
         for variant in sorted((v for v in shardings if results[v].measured), key=lambda v: -results[v].value):
-            if (step := self._walk(anchor if variant == fit else variant, results, running)) != "done":
+            step = (self._walk_from(anchor, fit, results, running) if variant == fit
+                    else self._walk(variant, results, running))
+            if step != "done":
                 return step
         return "done"
 
@@ -136,8 +138,10 @@ class MemoryFrontier:
     def _walk(self, anchor: Config, results: Mapping[Config, Result], running: set[Config]) -> Step:
         """Steps 1 and 2 from ``anchor``: the next step, or ``done``."""
         step, fit = self._fitted(anchor, results, running)
-        if fit is None:
-            return step
+        return step if fit is None else self._walk_from(anchor, fit, results, running)
+
+    def _walk_from(self, anchor: Config, fit: Config, results: Mapping[Config, Result], running: set[Config]) -> Step:
+        """Step 2 from ``anchor`` once step 1 found the config ``fit`` that set its frontier."""
         levels = self.levels(anchor, fit.micro_batch_size)
         # from the anchor's own level where it is at the frontier's micro-batch (what lies above it
         # is not new), else from the level that set the frontier
