@@ -5,7 +5,8 @@
 #    the distribution's "externally managed" marker kept (as on Ubuntu 24.04, under NVIDIA's
 #    containers), torch and megatron-core installed system-wide as NVIDIA's containers have them.
 #    TORCH_WHEEL is a CPU torch wheel for that Python (3.11 on bookworm); default: this box's file.
-# 2. `docker build` of cluster/Dockerfile with BASE set to it.
+# 2. `docker build` of cluster/Dockerfile with BASE set to it; and over a base that pins a package
+#    below what our requirements accept, which must stop with pip's conflict, never replace it.
 # 3. Checks in the built image, with no network: every package the base had is still there at the
 #    same version (torch and megatron-core named), our stack imports, `autotune probe` runs, and the
 #    tools KubeRay's probes and `ray start` use are present.
@@ -38,6 +39,17 @@ tar -C "$work/root" -c . | docker import - "$base_tag" > /dev/null
 
 echo "== 2. docker build --build-arg BASE=$base_tag"
 docker build --network host -q -f cluster/Dockerfile --build-arg BASE="$base_tag" -t "$image_tag" .
+
+echo "== 2b. a base that pins what our requirements refuse: the build stops, naming the conflict"
+printf 'FROM %s\nRUN python3 -m pip install --break-system-packages -q --no-cache-dir "packaging==22.0"\n' "$base_tag" \
+  | docker build --network host -q -t "$base_tag-old-packaging" - > /dev/null
+if docker build --network host -f cluster/Dockerfile --build-arg BASE="$base_tag-old-packaging" \
+     -t autotune-check:refused . > "$work/refused.log" 2>&1; then
+  echo "the layer built over a base whose packaging==22.0 our packaging>=23 refuses" >&2; exit 1
+fi
+grep -q "The user requested (constraint) packaging==22.0" "$work/refused.log" \
+  || { tail -30 "$work/refused.log" >&2; echo "the refused build did not name the conflict" >&2; exit 1; }
+echo "refused, naming it: $(grep -m1 'depends on packaging' "$work/refused.log" | sed 's/^ *//')"
 
 echo "== 3. checks in the image"
 docker run --rm --network none "$image_tag" python3 -m pip list --format=freeze > "$work/image-packages.txt"
