@@ -190,6 +190,7 @@ class StackSection(_Strict):
     transformer_engine: str | None = None
     deep_ep: bool = False
     hybrid_ep: bool = False
+    imex_channel: bool = False
 
 
 class BudgetSection(_Strict):

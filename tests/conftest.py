@@ -22,7 +22,8 @@ from autotune.rules import RuleContext
 from trainables.probe import probe
 
 ROOT = Path(__file__).resolve().parent.parent
-FULL_STACK = {"accelerator": "h200", "megatron_core": "0.19.2", "transformer_engine": "2.10.0", "deep_ep": True, "hybrid_ep": True}
+FULL_STACK = {"accelerator": "h200", "megatron_core": "0.19.2", "transformer_engine": "2.10.0", "deep_ep": True, "hybrid_ep": True,
+              "imex_channel": True}
 
 
 def make_context(

@@ -279,6 +279,23 @@ def test_probe_replaces_the_campaign_stack_and_says_so() -> None:
     assert mixed.stack.transformer_engine is None
 
 
+def test_probe_reads_the_imex_channels_the_processes_hold(tmp_path: Path, monkeypatch) -> None:
+    """On GB200 a pod's IMEX channel (its ComputeDomain claim) is what lets HybridEP span trays:
+    the probe counts them, and the stack has one only where every node does."""
+    from trainables import probe as probe_module
+
+    monkeypatch.setattr(probe_module, "IMEX_CHANNELS", tmp_path / "nvidia-caps-imex-channels")
+    assert probe_module.probe()["imex_channels"] == 0  # no such folder
+    (tmp_path / "nvidia-caps-imex-channels").mkdir()
+    (tmp_path / "nvidia-caps-imex-channels" / "channel0").touch()
+    assert probe_module.probe()["imex_channels"] == 1
+    campaign = load_campaign(Path("campaigns/gb200_3d.yaml"))
+    with_channels, _ = apply_probe(campaign, [_node(imex_channels=1), _node(imex_channels=1)])
+    assert with_channels.stack.imex_channel and with_channels.rule_context.stack.imex_channel
+    one_lacks, _ = apply_probe(campaign, [_node(imex_channels=1), _node(imex_channels=0)])
+    assert not one_lacks.stack.imex_channel
+
+
 def test_burst_judges_the_config_by_this_machine(monkeypatch) -> None:
     """``autotune burst`` asks this machine's probe, not the campaign's assumed stack: with TE
     installed here, grouped GEMM passes a campaign that assumed no TE."""

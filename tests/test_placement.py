@@ -150,7 +150,8 @@ def test_a_hybrid_ep_trial_is_told_how_many_of_its_ranks_share_an_nvlink_domain(
         campaign["trainable"] = "megatron"
         path.write_text(yaml.safe_dump(campaign))
         stack = probe() | {"accelerator": "gb200", "device_count": 2, "device_memory_bytes": 192 * 2**30,
-                           "megatron_core": "0.19.2", "transformer_engine": "2.20.2", "hybrid_ep": True}
+                           "megatron_core": "0.19.2", "transformer_engine": "2.20.2", "hybrid_ep": True,
+                           "imex_channels": 1}
         launched = replayed_campaign(path, 4, stack, HYBRID_EP_SPACE["fixed"], (1, 2))
     finally:
         ray.shutdown()

@@ -104,7 +104,7 @@ CASES = [
          {"moe_token_dispatcher_type": "flex", "expert_model_parallel_size": 2},
          {"moe_token_dispatcher_type": "flex", "moe_flex_dispatcher_backend": "hybridep",
           "expert_model_parallel_size": 2}, DROP_AND_PAD),
-    Case("hybridep_across_trays_needs_domain_labels",
+    Case("hybridep_across_trays_needs_domains_and_imex",
          {"moe_token_dispatcher_type": "flex", "moe_flex_dispatcher_backend": "hybridep", "expert_model_parallel_size": 8},
          {"moe_token_dispatcher_type": "flex", "moe_flex_dispatcher_backend": "hybridep", "expert_model_parallel_size": 4},
          {"accelerator": "gb200", "gpus_per_node": 4, "nvlink_domains_labelled": False}),

@@ -12,10 +12,15 @@ import functools
 import importlib.metadata
 import importlib.util
 import platform
+from pathlib import Path
 
 import torch
 
 from autotune.core.contract import Accelerator
+
+IMEX_CHANNELS = Path("/dev/nvidia-caps-imex-channels")
+"""Where the driver exposes the IMEX channels a process may use: on GB200, a GPU maps another tray's
+memory over NVLink only through one (a Kubernetes ComputeDomain claim or the node's IMEX service)."""
 
 # Device names as torch reports them ("NVIDIA H200", "NVIDIA GB200") → our accelerator labels.
 _ACCELERATORS: tuple[tuple[str, Accelerator], ...] = (("GB200", "gb200"), ("B200", "b200"), ("H200", "h200"),
@@ -75,7 +80,15 @@ def probe() -> dict:
         "deep_ep": deep_ep,
         # HybridEP ships inside DeepEP's hybrid-ep branch as deep_ep.HybridEPBuffer.
         "hybrid_ep": deep_ep and _has_attribute("deep_ep", "HybridEPBuffer"),
+        "imex_channels": _imex_channels(),
     }
+
+
+def _imex_channels() -> int:
+    try:
+        return sum(1 for entry in IMEX_CHANNELS.iterdir() if entry.name.startswith("channel"))
+    except OSError:  # no such folder: no channel
+        return 0
 
 
 def _has_attribute(module: str, attribute: str) -> bool:

@@ -10,7 +10,8 @@ from autotune.cli import console
 
 
 def probe(as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table.")) -> None:
-    """Accelerator, count and memory; torch, CUDA, megatron-core, Transformer Engine; DeepEP / HybridEP."""
+    """Accelerator, count and memory; torch, CUDA, megatron-core, Transformer Engine; DeepEP / HybridEP;
+    IMEX channels (GB200: NVLink to other trays)."""
     from rich.table import Table
 
     from trainables.probe import probe as probe_machine

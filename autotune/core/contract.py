@@ -35,6 +35,9 @@ class StackCapabilities(BaseModel):
     transformer_engine: str | None = None
     deep_ep: bool = False
     hybrid_ep: bool = False
+    imex_channel: bool = False
+    """Every GPU node's processes hold an IMEX channel: on GB200, what lets a GPU reach another
+    tray's memory over NVLink (MNNVL), and HybridEP span the trays of a rack."""
 
     @property
     def has_cuda(self) -> bool:

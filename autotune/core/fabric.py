@@ -20,7 +20,10 @@ compute; Bridge keeps 8 where the expert all-to-all overlaps compute, which no k
 Nodes name their NVLink domain with a Ray label (``autotune.engine.placement``). Where they carry
 none, a domain is a node: right on H100/H200/B200 systems, whose NVLink ends at the node. On GB200 it
 is not known which trays share a rack, so a HybridEP group larger than a node is refused there
-before launch (:func:`unknown_domain_problem`) rather than run with settings that may be wrong.
+before launch (:func:`hybrid_ep_span_problem`) rather than run with settings that may be wrong. The
+same holds where the trays are labelled but their processes hold no IMEX channel (the probe reads
+``/dev/nvidia-caps-imex-channels``; Kubernetes pods get one from their rack's ComputeDomain claim):
+no GPU can then map another tray's memory, so HybridEP's domain is the tray.
 """
 
 from __future__ import annotations
@@ -49,40 +52,59 @@ def uses_hybrid_ep(config: Config) -> bool:
     return config.moe_token_dispatcher_type == "flex" and config.moe_flex_dispatcher_backend == "hybridep"
 
 
-def unknown_domain_problem(config: Config, accelerator: str, gpus_per_node: int, labelled: bool) -> str | None:
-    """Why ``config`` cannot run on nodes without NVLink-domain labels, or ``None``: on an
-    accelerator whose NVLink crosses nodes, a HybridEP group larger than a node needs to know which
-    nodes share a domain."""
+def hybrid_ep_span_problem(config: Config, accelerator: str, gpus_per_node: int, labelled: bool,
+                           imex_channel: bool) -> str | None:
+    """Why ``config``'s HybridEP group cannot span the nodes it needs, or ``None``: on an
+    accelerator whose NVLink crosses nodes, a group larger than a node needs to know which nodes
+    share a domain (their labels) and an IMEX channel to reach them over NVLink."""
     group = hybrid_ep_group_size(config)
-    if labelled or not uses_hybrid_ep(config) or accelerator not in MULTI_NODE_NVLINK or group <= gpus_per_node:
+    if not uses_hybrid_ep(config) or accelerator not in MULTI_NODE_NVLINK or group <= gpus_per_node:
         return None
-    return (f"HybridEP's group of {group} ranks (ETP x EP) spans {-(-group // gpus_per_node)} nodes of "
-            f"{gpus_per_node} GPUs, and on {accelerator} NVLink crosses nodes, but these nodes carry no "
-            "autotune.io/nvlink-domain label, so which of them share a domain is unknown "
-            "(NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN and USE_MNNVL would be guesses); label the "
-            "nodes (cluster/README.md)")
+    spans = (f"HybridEP's group of {group} ranks (ETP x EP) spans {-(-group // gpus_per_node)} nodes of "
+             f"{gpus_per_node} GPUs, and on {accelerator} NVLink crosses nodes")
+    if not labelled:
+        return (f"{spans}, but these nodes carry no autotune.io/nvlink-domain label, so which of them share a "
+                "domain is unknown (NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN and USE_MNNVL would be guesses); "
+                "label the nodes (cluster/README.md)")
+    if not imex_channel:
+        return (f"{spans}, but the nodes' processes hold no IMEX channel (/dev/nvidia-caps-imex-channels), "
+                "without which no GPU maps another tray's memory; give the pods their rack's ComputeDomain "
+                "channel claim (cluster/gb200_raycluster.yaml) or start the nodes' IMEX service")
+    return None
 
 
 def planned_environment(config: Config, accelerator: str, gpus_per_node: int, world_size: int,
-                        plan: Sequence[str] | None) -> dict[str, str]:
+                        plan: Sequence[str] | None, imex_channel: bool) -> dict[str, str]:
     """The environment every rank of ``config``'s burst starts with, from the trial's plan: each
     worker's NVLink domain in rank order (``None``: the nodes carry no domain label, and the ranks
     fill nodes of ``gpus_per_node`` in order). Raises :class:`FabricRefused` where HybridEP's group
     does not split evenly over the domains it spans."""
-    if plan is None:
-        return _environment(config, accelerator, [f"node {rank // gpus_per_node}" for rank in range(world_size)], False)
-    return _environment(config, accelerator, list(plan), True)
+    if plan is None or not _domains_cross_nodes(accelerator, imex_channel):
+        return _environment(config, accelerator, [f"node {rank // gpus_per_node}" for rank in range(world_size)],
+                            mnnvl=False)
+    return _environment(config, accelerator, list(plan), mnnvl=accelerator in MULTI_NODE_NVLINK)
 
 
 def placed_environment(config: Config, accelerator: str, nodes: Sequence[str],
-                       domains: Sequence[str | None]) -> dict[str, str]:
+                       domains: Sequence[str | None], imex_channel: bool) -> dict[str, str]:
     """The same from where the ranks did start (each rank's node and domain label): what the
     planned environment must match."""
-    labelled = all(domain is not None for domain in domains)
-    return _environment(config, accelerator, [d if labelled else f"node {n}" for n, d in zip(nodes, domains)], labelled)
+    if all(domain is not None for domain in domains) and _domains_cross_nodes(accelerator, imex_channel):
+        return _environment(config, accelerator, list(domains), mnnvl=accelerator in MULTI_NODE_NVLINK)
+    return _environment(config, accelerator, [f"node {node}" for node in nodes], mnnvl=False)
 
 
-def _environment(config: Config, accelerator: str, domains: list[str], labelled: bool) -> dict[str, str]:
+def _domains_cross_nodes(accelerator: str, imex_channel: bool) -> bool:
+    """Whether a labelled domain's ranks may sit on several nodes: on GB200 only through an IMEX
+    channel; without one, HybridEP's domain is the node, as on systems whose NVLink ends there
+    (where a domain label names one node: the same either way)."""
+    return accelerator not in MULTI_NODE_NVLINK or imex_channel
+
+
+def _environment(config: Config, accelerator: str, domains: list[str], mnnvl: bool) -> dict[str, str]:
+    """``mnnvl``: the domains are GB200 racks reached through an IMEX channel, where a group's ranks
+    may sit on several trays, which only MNNVL reaches (it also serves ranks on one tray); else
+    each domain is a node, where NVLink is reached through CUDA IPC."""
     environment = {"CUDA_DEVICE_MAX_CONNECTIONS": str(_max_connections(config, accelerator))}
     if not uses_hybrid_ep(config):
         return environment
@@ -99,11 +121,7 @@ def _environment(config: Config, accelerator: str, domains: list[str], labelled:
         raise FabricRefused(f"HybridEP's groups of {group} ranks hold {sorted(per_domain)} ranks in their NVLink domains: "
                             "every domain must hold the same number of a group's ranks")
     (ranks_per_domain,) = per_domain
-    # A labelled domain on GB200 may hold the group's ranks on several trays, which only MNNVL
-    # reaches (it also serves ranks on one tray); elsewhere NVLink ends at the node: CUDA IPC.
-    multi_node = labelled and accelerator in MULTI_NODE_NVLINK
-    environment.update(NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN=str(ranks_per_domain),
-                       USE_MNNVL="1" if multi_node else "0")
+    environment.update(NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN=str(ranks_per_domain), USE_MNNVL="1" if mnnvl else "0")
     return environment
 
 

@@ -220,6 +220,7 @@ def _trial_job(campaign: Campaign, run_dir: RunDir) -> TrialJob:
         max_concurrent=campaign.trials_at_once if replay else None,
         accelerator=hardware.accelerator,
         gpus_per_node=hardware.gpus_per_node,
+        imex_channel=campaign.stack.imex_channel,
     )
 
 

@@ -11,7 +11,7 @@ from autotune.core.contract import StackCapabilities
 from autotune.core.errors import AutotuneError
 from autotune.core.tables import RecordedTable
 
-SOFTWARE_FIELDS = ("megatron_core", "transformer_engine", "deep_ep", "hybrid_ep")
+SOFTWARE_FIELDS = ("megatron_core", "transformer_engine", "deep_ep", "hybrid_ep", "imex_channel")
 
 
 def probe_this_machine() -> dict:
@@ -69,6 +69,8 @@ def probed_stack(assumed: StackCapabilities, probes: list[dict], uses_stack: boo
         "transformer_engine": te.pop() if len(te) == 1 else None,
         "deep_ep": all(p["deep_ep"] for p in probes),
         "hybrid_ep": all(p["hybrid_ep"] for p in probes),
+        # probes written before IMEX channels were read say nothing of them: none assumed
+        "imex_channel": all(p.get("imex_channels", 0) > 0 for p in probes),
     }
     if not uses_stack:
         return assumed, []

@@ -77,8 +77,9 @@ class TrialJob:
     ``local`` trials fork their ranks from; ``None``: each trial starts its own."""
     accelerator: str = "cpu"
     gpus_per_node: int = 1
+    imex_channel: bool = False
     """With the searcher's placement, what each GPU trial's fabric environment is planned from
-    (:mod:`autotune.core.fabric`)."""
+    (:mod:`autotune.core.fabric`; the IMEX channel as the probe found it)."""
 
     def request_for(self, params: dict[str, Any]) -> BurstRequest:
         """The trial's burst; raises :class:`FabricRefused` where its placement cannot give HybridEP
@@ -86,7 +87,7 @@ class TrialJob:
         config = complete_config(params["config"])
         # A rehearsal on GPU nodes (a replay through Ray Train) gets what the recorded trainable would.
         environment = planned_environment(config, self.accelerator, self.gpus_per_node, self.request.world_size,
-                                          params.get("placement")) if self.use_gpu else {}
+                                          params.get("placement"), self.imex_channel) if self.use_gpu else {}
         request = replace(self.request, config=config, steps=params["steps"], environment=environment)
         if self.trainable == REPLAY:
             return request
@@ -289,7 +290,7 @@ def _misplaced(job: TrialJob, request: BurstRequest, workers: list[WorkerPlaceme
         return None
     try:
         placed = placed_environment(request.config, job.accelerator, [w.node_id for w in workers],
-                                    [w.nvlink_domain for w in workers])
+                                    [w.nvlink_domain for w in workers], job.imex_channel)
     except FabricRefused as exc:
         return f"the ranks started where HybridEP cannot run: {exc}"
     if placed != dict(request.environment):

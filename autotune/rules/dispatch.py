@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from autotune.core.fabric import unknown_domain_problem
+from autotune.core.fabric import hybrid_ep_span_problem
 from autotune.core.knobs import Config
 from autotune.rules._base import RuleContext, rule
 
@@ -47,11 +47,12 @@ def _shared_expert_overlap(config: Config, ctx: RuleContext) -> str | None:
 
 
 @rule(
-    "hybridep_across_trays_needs_domain_labels",
+    "hybridep_across_trays_needs_domains_and_imex",
     source="stack",
-    summary="HybridEP over several GB200 trays needs nodes labelled with their NVLink domain",
+    summary="HybridEP over several GB200 trays needs nodes labelled with their NVLink domain, and an IMEX channel",
 )
 def _hybridep_domains(config: Config, ctx: RuleContext) -> str | None:
     if ctx.nvlink_domains_labelled is None or ctx.gpus_per_node is None:
         return None
-    return unknown_domain_problem(config, ctx.stack.accelerator, ctx.gpus_per_node, ctx.nvlink_domains_labelled)
+    return hybrid_ep_span_problem(config, ctx.stack.accelerator, ctx.gpus_per_node, ctx.nvlink_domains_labelled,
+                                  ctx.stack.imex_channel)
