@@ -80,8 +80,11 @@ def test_without_an_imex_channel_a_tray_is_hybrid_eps_domain() -> None:
     assert reason is not None and "IMEX channel" in reason and "ComputeDomain" in reason
     ep4 = HYBRID_EP8.replace(expert_model_parallel_size=4)
     assert hybrid_ep_span_problem(ep4, "gb200", 4, labelled=True, imex_channel=False) is None
-    assert planned_environment(ep4, "gb200", 4, 4, ["rack-a"] * 4, imex_channel=False) == {
+    # planned there by tray (the placement's node ids): one tray, or two when no tray had room
+    assert planned_environment(ep4, "gb200", 4, 4, ["tray0"] * 4, imex_channel=False) == {
         "CUDA_DEVICE_MAX_CONNECTIONS": "32", "NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN": "4", "USE_MNNVL": "0"}
+    assert planned_environment(ep4, "gb200", 4, 4, ["tray0"] * 2 + ["tray1"] * 2, imex_channel=False) == \
+        placed_environment(ep4, "gb200", ["tray0"] * 2 + ["tray1"] * 2, ["rack-a"] * 4, imex_channel=False)
     # Ray put the group's ranks on two trays of the rack: what they were told no longer holds
     split = placed_environment(ep4, "gb200", ["t0", "t0", "t1", "t1"], ["rack-a"] * 4, imex_channel=False)
     assert split["NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN"] == "2"

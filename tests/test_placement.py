@@ -21,7 +21,7 @@ from autotune.core.knobs import complete_config
 from autotune.core.tables import RecordedBurst, append_row
 from autotune.engine.driver import run_campaign
 from autotune.engine.live import LiveView
-from autotune.engine.placement import NVLINK_DOMAIN_LABEL, DomainPlanner, label_selectors
+from autotune.engine.placement import NODE_LABEL, NVLINK_DOMAIN_LABEL, DomainPlanner, domain_label, label_selectors
 from autotune.engine.rundir import create_run_dir
 from conftest import campaign_file
 from trainables.probe import probe
@@ -52,7 +52,7 @@ def test_a_trial_spans_domains_only_when_none_holds_it() -> None:
     planner = DomainPlanner({"a": 8, "b": 4, "c": 4})
     assert planner.place("big", 8) == ["a"] * 8
     assert planner.place("wide", 6) == ["b"] * 4 + ["c"] * 2  # fewest domains, fullest first
-    assert label_selectors(planner.held["wide"])[0] == {NVLINK_DOMAIN_LABEL: "b"}
+    assert label_selectors(planner.held["wide"], NVLINK_DOMAIN_LABEL)[0] == {NVLINK_DOMAIN_LABEL: "b"}
 
 
 def test_a_lost_node_takes_its_gpus_out_of_its_domain() -> None:
@@ -65,6 +65,18 @@ def test_a_lost_node_takes_its_gpus_out_of_its_domain() -> None:
 
 def test_no_labels_means_no_plan() -> None:
     assert DomainPlanner.from_nodes([node(None), node(None)]).place("t", 2) is None
+
+
+def test_gb200_trays_without_an_imex_channel_are_domains_of_their_own() -> None:
+    """NVLink stops at the tray there: the domains planned are Ray's node ids, whatever the rack."""
+    assert domain_label("gb200", imex_channel=True) == NVLINK_DOMAIN_LABEL
+    assert domain_label("gb200", imex_channel=False) == NODE_LABEL
+    assert domain_label("h200", imex_channel=False) == NVLINK_DOMAIN_LABEL  # a label there names a node
+    trays = [node("rack-a") | {"Labels": {NVLINK_DOMAIN_LABEL: "rack-a", NODE_LABEL: f"tray{i}"}} for i in range(2)]
+    planner = DomainPlanner.from_nodes(trays, NODE_LABEL)
+    assert planner.capacity == {"tray0": 4, "tray1": 4}
+    assert planner.place("t", 4) == ["tray0"] * 4
+    assert label_selectors(planner.held["t"], planner.label)[0] == {NODE_LABEL: "tray0"}
 
 
 SPACE = {
@@ -162,3 +174,33 @@ def test_a_hybrid_ep_trial_is_told_how_many_of_its_ranks_share_an_nvlink_domain(
         assert [w.nvlink_domain for w in entry.contract.workers] == [trays[0]] * 2 + [trays[1]] * 2
         assert entry.contract.environment == {"CUDA_DEVICE_MAX_CONNECTIONS": "32", "USE_MNNVL": "1",
                                               "NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN": ranks_per_domain}
+
+
+def test_without_an_imex_channel_a_hybrid_ep_trial_stays_on_one_tray(tmp_path: Path) -> None:
+    """Two GB200 trays of one rack whose processes hold no IMEX channel: each trial's EP group of 2
+    runs on one tray (planned by node id), told its tray is its domain, without MNNVL."""
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0})
+    for _ in range(2):
+        cluster.add_node(num_cpus=4, num_gpus=2, labels={NVLINK_DOMAIN_LABEL: "rack-a"})
+    ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
+    space = HYBRID_EP_SPACE | {"target": HYBRID_EP_SPACE["target"] | {"gpus_per_trial": 2},
+                               "fixed": HYBRID_EP_SPACE["fixed"] | {"expert_model_parallel_size": 2}}
+    try:
+        path = campaign_file(tmp_path, max_trials=1, space=space, accelerator="gb200", gpus_per_node=2,
+                             gpus_per_trial=2, nodes=2, launcher="ray_train")
+        campaign = yaml.safe_load(path.read_text())
+        campaign["trainable"] = "megatron"
+        path.write_text(yaml.safe_dump(campaign))
+        stack = probe() | {"accelerator": "gb200", "device_count": 2, "device_memory_bytes": 192 * 2**30,
+                           "megatron_core": "0.19.2", "transformer_engine": "2.20.2", "hybrid_ep": True,
+                           "imex_channels": 0}
+        launched = replayed_campaign(path, 2, stack, space["fixed"], (1, 2))
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    assert launched and all(entry.outcome in ("ok", "pruned") for entry in launched), [(e.outcome, e.reason)
+                                                                                       for e in launched]
+    for entry in launched:
+        assert len({w.node_id for w in entry.contract.workers}) == 1, entry.contract.workers
+        assert entry.contract.environment == {"CUDA_DEVICE_MAX_CONNECTIONS": "32", "USE_MNNVL": "0",
+                                              "NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN": "2"}

@@ -76,13 +76,14 @@ def hybrid_ep_span_problem(config: Config, accelerator: str, gpus_per_node: int,
 def planned_environment(config: Config, accelerator: str, gpus_per_node: int, world_size: int,
                         plan: Sequence[str] | None, imex_channel: bool) -> dict[str, str]:
     """The environment every rank of ``config``'s burst starts with, from the trial's plan: each
-    worker's NVLink domain in rank order (``None``: the nodes carry no domain label, and the ranks
-    fill nodes of ``gpus_per_node`` in order). Raises :class:`FabricRefused` where HybridEP's group
-    does not split evenly over the domains it spans."""
-    if plan is None or not _domains_cross_nodes(accelerator, imex_channel):
+    worker's NVLink domain in rank order (a rack, or on GB200 trays without an IMEX channel the
+    tray itself: ``autotune.engine.placement.domain_label``; ``None``: the nodes carry no domain
+    label, and the ranks fill nodes of ``gpus_per_node`` in order). Raises :class:`FabricRefused`
+    where HybridEP's group does not split evenly over the domains it spans."""
+    if plan is None:
         return _environment(config, accelerator, [f"node {rank // gpus_per_node}" for rank in range(world_size)],
                             mnnvl=False)
-    return _environment(config, accelerator, list(plan), mnnvl=accelerator in MULTI_NODE_NVLINK)
+    return _environment(config, accelerator, list(plan), mnnvl=accelerator in MULTI_NODE_NVLINK and imex_channel)
 
 
 def placed_environment(config: Config, accelerator: str, nodes: Sequence[str],

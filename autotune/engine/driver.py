@@ -29,7 +29,7 @@ from autotune.durable import OutputUnwritable
 from autotune.engine.faults import exception_chain
 from autotune.engine.ledger import Ledger
 from autotune.engine.live import LiveView
-from autotune.engine.placement import DomainPlanner
+from autotune.engine.placement import NODE_LABEL, NVLINK_DOMAIN_LABEL, DomainPlanner, domain_label, domains_labelled
 from autotune.engine.probe import apply_probe, probe_cluster, recorded_probes
 from autotune.engine.promotion import Verdict, decide, leaderboard, projected_headroom, promotion_candidates
 from autotune.engine.records import Spend, Stage
@@ -136,10 +136,13 @@ def _domain_planner(job: TrialJob, view: LiveView) -> DomainPlanner | None:
     """NVLink-domain placement for trials whose GPU workers Ray Train places (several nodes)."""
     if job.launcher != "ray_train" or not job.use_gpu:
         return None
-    planner = DomainPlanner.from_nodes(ray.nodes())
+    planner = DomainPlanner.from_nodes(ray.nodes(), domain_label(job.accelerator, job.imex_channel))
     if not planner.capacity:
         return None
-    view.note("NVLink domains: " + ", ".join(f"{d} ({gpus} GPUs)" for d, gpus in sorted(planner.capacity.items())))
+    if planner.label == NODE_LABEL:
+        view.note(f"NVLink domains: the {len(planner.capacity)} trays themselves (their processes hold no IMEX channel)")
+    else:
+        view.note("NVLink domains: " + ", ".join(f"{d} ({gpus} GPUs)" for d, gpus in sorted(planner.capacity.items())))
     return planner
 
 
@@ -154,8 +157,8 @@ def _tune_space(campaign: Campaign, space: SearchSpace, study_name: str, run_dir
 
     spec = campaign.spec
     # Rules read whether the cluster's nodes say which NVLink domain they are in.
-    rule_context = replace(campaign.rule_context,
-                           nvlink_domains_labelled=planner is not None if job.use_gpu else None)
+    labelled = planner is not None and (planner.label == NVLINK_DOMAIN_LABEL or domains_labelled(ray.nodes()))
+    rule_context = replace(campaign.rule_context, nvlink_domains_labelled=labelled if job.use_gpu else None)
     proposer = Proposer(
         space, rule_context, run_dir.study_path, study_name,
         sampler=spec.search.sampler, seed=spec.search.seed, startup_trials=spec.search.startup_trials,

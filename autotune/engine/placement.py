@@ -12,13 +12,31 @@ label selector for its domain (Ray Train's per-worker ``label_selector``).
 The plan counts the GPUs of this campaign's own running trials: campaigns run overnight on nodes
 allocated to them (a Slurm allocation, a dedicated RayCluster). A cluster without the label has
 no domains, and trials go wherever Ray puts them, as before.
+
+On GB200 trays whose processes hold no IMEX channel, NVLink stops at the tray
+(:mod:`autotune.core.fabric`), so the domains planned are the nodes themselves, by Ray's own
+:data:`NODE_LABEL`: a trial that fits a tray runs on one.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from autotune.core.fabric import MULTI_NODE_NVLINK
+
 NVLINK_DOMAIN_LABEL = "autotune.io/nvlink-domain"
+NODE_LABEL = "ray.io/node-id"
+"""The label Ray gives every node: its id."""
+
+
+def domain_label(accelerator: str, imex_channel: bool) -> str:
+    """The node label whose values are the NVLink domains trials are planned in."""
+    return NODE_LABEL if accelerator in MULTI_NODE_NVLINK and not imex_channel else NVLINK_DOMAIN_LABEL
+
+
+def domains_labelled(nodes: list[dict]) -> bool:
+    """Whether the alive GPU nodes of ``ray.nodes()`` carry :data:`NVLINK_DOMAIN_LABEL`."""
+    return bool(DomainPlanner.from_nodes(nodes).capacity)
 
 
 @dataclass
@@ -27,24 +45,26 @@ class DomainPlanner:
 
     capacity: dict[str, int]
     """Domain → GPUs of the alive nodes that carry its label."""
+    label: str = NVLINK_DOMAIN_LABEL
+    """The node label whose values are the domains (:func:`domain_label`)."""
     held: dict[str, list[str]] = field(default_factory=dict)
     """Trial id → each worker's domain."""
 
     @classmethod
-    def from_nodes(cls, nodes: list[dict]) -> "DomainPlanner":
+    def from_nodes(cls, nodes: list[dict], label: str = NVLINK_DOMAIN_LABEL) -> "DomainPlanner":
         """From ``ray.nodes()``: alive nodes with GPUs and the domain label."""
         capacity: dict[str, int] = {}
         for node in nodes:
-            domain = (node.get("Labels") or {}).get(NVLINK_DOMAIN_LABEL)
+            domain = (node.get("Labels") or {}).get(label)
             gpus = int((node.get("Resources") or {}).get("GPU", 0))
             if node.get("Alive") and domain and gpus:
                 capacity[domain] = capacity.get(domain, 0) + gpus
-        return cls(capacity)
+        return cls(capacity, label)
 
     def observe(self, nodes: list[dict]) -> None:
         """Re-read which nodes are alive: a node lost overnight takes its GPUs out of its domain
         (its trial's retry must not wait for them)."""
-        self.capacity = DomainPlanner.from_nodes(nodes).capacity
+        self.capacity = DomainPlanner.from_nodes(nodes, self.label).capacity
 
     def free(self) -> dict[str, int]:
         used: dict[str, int] = {}
@@ -76,6 +96,6 @@ class DomainPlanner:
         self.held.pop(trial_id, None)
 
 
-def label_selectors(plan: list[str] | None) -> list[dict[str, str]] | None:
-    """Ray Train's per-worker ``label_selector`` for a plan."""
-    return None if plan is None else [{NVLINK_DOMAIN_LABEL: domain} for domain in plan]
+def label_selectors(plan: list[str] | None, label: str) -> list[dict[str, str]] | None:
+    """Ray Train's per-worker ``label_selector`` for a plan of ``label``'s values."""
+    return None if plan is None else [{label: domain} for domain in plan]

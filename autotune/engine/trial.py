@@ -35,7 +35,7 @@ from autotune.core.contract import (
 from autotune.core.fabric import FabricRefused, placed_environment, planned_environment
 from autotune.core.knobs import complete_config
 from autotune.core.registry import REPLAY, burst_runner, rank_runner
-from autotune.engine.placement import NVLINK_DOMAIN_LABEL, label_selectors
+from autotune.engine.placement import NVLINK_DOMAIN_LABEL, domain_label, label_selectors
 from autotune.engine.warm_ranks import zygote_address
 
 
@@ -227,7 +227,7 @@ def _run_on_ray_train(job: TrialJob, request: BurstRequest, params: dict[str, An
         train_loop_config={"job": job, "request": request},
         scaling_config=ScalingConfig(
             num_workers=request.world_size, use_gpu=job.use_gpu, resources_per_worker=job.worker_resources(),
-            label_selector=label_selectors(params.get("placement")),
+            label_selector=label_selectors(params.get("placement"), domain_label(job.accelerator, job.imex_channel)),
         ),
         # A replay does no GPU work: its ranks talk over gloo wherever they are.
         torch_config=TorchConfig(backend="nccl" if job.use_gpu and job.trainable != REPLAY else "gloo",
