@@ -26,13 +26,14 @@ def manifest() -> list[dict]:
     return [doc for doc in yaml.safe_load_all((CLUSTER / "gb200_raycluster.yaml").read_text()) if doc is not None]
 
 
-def raycluster() -> dict:
-    (cluster,) = [doc for doc in manifest() if doc["kind"] == "RayCluster"]
+def raycluster(docs: list[dict] | None = None) -> dict:
+    """The manifest's one RayCluster (of ``docs``, a copy being broken, when given)."""
+    (cluster,) = [doc for doc in (manifest() if docs is None else docs) if doc["kind"] == "RayCluster"]
     return cluster
 
 
-def compute_domains() -> list[dict]:
-    return [doc for doc in manifest() if doc["kind"] == "ComputeDomain"]
+def compute_domains(docs: list[dict] | None = None) -> list[dict]:
+    return [doc for doc in (manifest() if docs is None else docs) if doc["kind"] == "ComputeDomain"]
 
 
 def containers(group: dict) -> list[dict]:
@@ -151,16 +152,8 @@ def test_every_document_validates_against_its_crd_schema() -> None:
         assert schema_errors(doc) == [], doc["metadata"]["name"]
 
 
-def _raycluster(docs: list[dict]) -> dict:
-    return next(d for d in docs if d["kind"] == "RayCluster")
-
-
 def _worker_pod(docs: list[dict]) -> dict:
-    return _raycluster(docs)["spec"]["workerGroupSpecs"][1]["template"]["spec"]
-
-
-def _compute_domain(docs: list[dict]) -> dict:
-    return next(d for d in docs if d["kind"] == "ComputeDomain")
+    return raycluster(docs)["spec"]["workerGroupSpecs"][1]["template"]["spec"]
 
 
 def _rename(mapping: dict, old: str, new: str) -> None:
@@ -178,17 +171,17 @@ BREAKAGES = {
         lambda docs: _rename(_worker_pod(docs)["containers"][0]["resources"], "claims", "claim"),
         "$.spec.workerGroupSpecs[1].template.spec.containers[0].resources.claim"),
     "misspelt metadata field": (
-        lambda docs: _rename(_compute_domain(docs)["metadata"], "labels", "label"),
+        lambda docs: _rename(compute_domains(docs)[0]["metadata"], "labels", "label"),
         "$.metadata.label"),
     "misspelt ComputeDomain channel field": (
-        lambda docs: _rename(_compute_domain(docs)["spec"]["channel"], "resourceClaimTemplate",
+        lambda docs: _rename(compute_domains(docs)[0]["spec"]["channel"], "resourceClaimTemplate",
                              "resourceClaimTemplates"),
         "$.spec.channel.resourceClaimTemplates"),
     "numNodes as a string": (
-        lambda docs: _compute_domain(docs)["spec"].update(numNodes="18"),
+        lambda docs: compute_domains(docs)[0]["spec"].update(numNodes="18"),
         "$.spec.numNodes"),
     "replicas as a string": (
-        lambda docs: _raycluster(docs)["spec"]["workerGroupSpecs"][0].update(replicas="18"),
+        lambda docs: raycluster(docs)["spec"]["workerGroupSpecs"][0].update(replicas="18"),
         "$.spec.workerGroupSpecs[0].replicas"),
     "GPU count not a quantity": (
         lambda docs: _worker_pod(docs)["containers"][0]["resources"]["limits"].update({"nvidia.com/gpu": [4]}),

@@ -144,6 +144,35 @@ HYBRID_EP_SPACE = {
 }
 
 
+def gb200_hybrid_ep_trials(tmp_path: Path, trays: tuple[str, str], expert_parallel: int,
+                           imex_channels: int) -> list:
+    """A HybridEP campaign of EP ``expert_parallel`` (one GPU per rank) replayed on two GB200 trays
+    of 2 GPUs (small, for the test) labelled with ``trays``' domains, whose recorded probe holds
+    ``imex_channels``; its launched trials, each checked to have run."""
+    space = HYBRID_EP_SPACE | {"target": HYBRID_EP_SPACE["target"] | {"gpus_per_trial": expert_parallel},
+                               "fixed": HYBRID_EP_SPACE["fixed"] | {"expert_model_parallel_size": expert_parallel}}
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0})
+    for domain in trays:
+        cluster.add_node(num_cpus=4, num_gpus=2, labels={NVLINK_DOMAIN_LABEL: domain})
+    ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
+    try:
+        path = campaign_file(tmp_path, max_trials=1, space=space, accelerator="gb200", gpus_per_node=2,
+                             gpus_per_trial=expert_parallel, nodes=2, launcher="ray_train")
+        campaign = yaml.safe_load(path.read_text())
+        campaign["trainable"] = "megatron"
+        path.write_text(yaml.safe_dump(campaign))
+        stack = probe() | {"accelerator": "gb200", "device_count": 2, "device_memory_bytes": 192 * 2**30,
+                           "megatron_core": "0.19.2", "transformer_engine": "2.20.2", "hybrid_ep": True,
+                           "imex_channels": imex_channels}
+        launched = replayed_campaign(path, expert_parallel, stack, space["fixed"], (1, 2))
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    assert launched and all(entry.outcome in ("ok", "pruned") for entry in launched), [(e.outcome, e.reason)
+                                                                                       for e in launched]
+    return launched
+
+
 @pytest.mark.parametrize("trays, ranks_per_domain", [(("rack-a", "rack-a"), "4"), (("rack-a", "rack-b"), "2")],
                          ids=["one-rack", "two-racks"])
 def test_a_hybrid_ep_trial_is_told_how_many_of_its_ranks_share_an_nvlink_domain(
@@ -151,26 +180,7 @@ def test_a_hybrid_ep_trial_is_told_how_many_of_its_ranks_share_an_nvlink_domain(
     """Two GB200 trays (of 2 GPUs here, to keep the test small); each trial's EP group of 4 takes
     both. In one rack its 4 ranks share one NVLink domain across the trays (MNNVL); over two racks
     each holds 2 of them."""
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0})
-    for domain in trays:
-        cluster.add_node(num_cpus=4, num_gpus=2, labels={NVLINK_DOMAIN_LABEL: domain})
-    ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
-    try:
-        path = campaign_file(tmp_path, max_trials=1, space=HYBRID_EP_SPACE, accelerator="gb200", gpus_per_node=2,
-                             gpus_per_trial=4, nodes=2, launcher="ray_train")
-        campaign = yaml.safe_load(path.read_text())
-        campaign["trainable"] = "megatron"
-        path.write_text(yaml.safe_dump(campaign))
-        stack = probe() | {"accelerator": "gb200", "device_count": 2, "device_memory_bytes": 192 * 2**30,
-                           "megatron_core": "0.19.2", "transformer_engine": "2.20.2", "hybrid_ep": True,
-                           "imex_channels": 1}
-        launched = replayed_campaign(path, 4, stack, HYBRID_EP_SPACE["fixed"], (1, 2))
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-    assert launched and all(entry.outcome in ("ok", "pruned") for entry in launched), [(e.outcome, e.reason)
-                                                                                       for e in launched]
-    for entry in launched:
+    for entry in gb200_hybrid_ep_trials(tmp_path, trays, expert_parallel=4, imex_channels=1):
         assert [w.nvlink_domain for w in entry.contract.workers] == [trays[0]] * 2 + [trays[1]] * 2
         assert entry.contract.environment == {"CUDA_DEVICE_MAX_CONNECTIONS": "32", "USE_MNNVL": "1",
                                               "NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN": ranks_per_domain}
@@ -179,28 +189,7 @@ def test_a_hybrid_ep_trial_is_told_how_many_of_its_ranks_share_an_nvlink_domain(
 def test_without_an_imex_channel_a_hybrid_ep_trial_stays_on_one_tray(tmp_path: Path) -> None:
     """Two GB200 trays of one rack whose processes hold no IMEX channel: each trial's EP group of 2
     runs on one tray (planned by node id), told its tray is its domain, without MNNVL."""
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0})
-    for _ in range(2):
-        cluster.add_node(num_cpus=4, num_gpus=2, labels={NVLINK_DOMAIN_LABEL: "rack-a"})
-    ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
-    space = HYBRID_EP_SPACE | {"target": HYBRID_EP_SPACE["target"] | {"gpus_per_trial": 2},
-                               "fixed": HYBRID_EP_SPACE["fixed"] | {"expert_model_parallel_size": 2}}
-    try:
-        path = campaign_file(tmp_path, max_trials=1, space=space, accelerator="gb200", gpus_per_node=2,
-                             gpus_per_trial=2, nodes=2, launcher="ray_train")
-        campaign = yaml.safe_load(path.read_text())
-        campaign["trainable"] = "megatron"
-        path.write_text(yaml.safe_dump(campaign))
-        stack = probe() | {"accelerator": "gb200", "device_count": 2, "device_memory_bytes": 192 * 2**30,
-                           "megatron_core": "0.19.2", "transformer_engine": "2.20.2", "hybrid_ep": True,
-                           "imex_channels": 0}
-        launched = replayed_campaign(path, 2, stack, space["fixed"], (1, 2))
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-    assert launched and all(entry.outcome in ("ok", "pruned") for entry in launched), [(e.outcome, e.reason)
-                                                                                       for e in launched]
-    for entry in launched:
+    for entry in gb200_hybrid_ep_trials(tmp_path, ("rack-a", "rack-a"), expert_parallel=2, imex_channels=0):
         assert len({w.node_id for w in entry.contract.workers}) == 1, entry.contract.workers
         assert entry.contract.environment == {"CUDA_DEVICE_MAX_CONNECTIONS": "32", "USE_MNNVL": "0",
                                               "NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN": "2"}
