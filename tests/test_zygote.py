@@ -16,6 +16,7 @@ import pytest
 
 from autotune.core.contract import BurstRequest, DataSpec
 from autotune.core.knobs import complete_config
+from autotune.core.registry import rank_runner
 from autotune.core.steady import steady_state
 from trainables import launch, zygote
 from trainables.launch import run_local
@@ -75,6 +76,21 @@ def test_an_oom_or_a_killed_rank_leaves_the_zygote_serving(photo_shards: Path, w
     assert killed.exitcode == -signal.SIGKILL
     after = run_local(burst(photo_shards, 2), warm_ranks=warm)
     assert after.outcome == "ok" and after.contract.rank_start == "warm", after.error
+
+
+def test_ranks_train_only_with_the_environment_planned_for_them(photo_shards: Path, warm: str) -> None:
+    """The fabric settings a trial's contract records reach its ranks; a rank whose process lacks
+    them (a launcher that dropped them) fails naming them instead of measuring something else."""
+    planned = {"AUTOTUNE_TEST_PLANNED_SETTING": "8"}
+    assert "AUTOTUNE_TEST_PLANNED_SETTING" not in os.environ
+    result = run_local(replace(burst(photo_shards, 2), environment=planned), warm_ranks=warm)
+    assert result.outcome == "ok", result.error
+    assert result.contract.environment == planned
+    import torch
+
+    alone = rank_runner("native")(replace(burst(photo_shards, 2), world_size=1, environment=planned),
+                                  torch.device("cpu"), None)
+    assert alone.outcome == "failed" and "AUTOTUNE_TEST_PLANNED_SETTING" in alone.error, alone
 
 
 def test_a_zygote_that_is_gone_means_a_cold_start_not_a_failure(photo_shards: Path, tmp_path: Path,

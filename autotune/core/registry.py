@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -61,10 +62,25 @@ def burst_runner(name: str, warm_ranks: str | None = None) -> Callable[[BurstReq
 
 def rank_runner(name: str) -> Callable[[BurstRequest, "torch.device", Reporter | None], BurstResult]:
     """The function that runs one rank of a burst of ``name`` once ``torch.distributed`` is up
-    (the local launcher or a Ray Train worker group starts the ranks and sets the process group up)."""
+    (the local launcher or a Ray Train worker group starts the ranks and sets the process group up).
+
+    A rank whose process lacks the environment planned for it (``request.environment``: the
+    fabric settings its contract records) fails with what it lacks instead of training: those
+    settings are read once, when CUDA and the communication libraries start, so a rank without
+    them would measure another configuration than the one recorded."""
     if name not in TRAINABLES:
         raise AutotuneError(f"unknown trainable {name!r}; known trainables: {', '.join(TRAINABLES)}")
-    return _load(TRAINABLES[name].rank_runner)
+    runner = _load(TRAINABLES[name].rank_runner)
+
+    def run_rank(request: BurstRequest, device: "torch.device", reporter: Reporter | None) -> BurstResult:
+        lacking = {key: value for key, value in request.environment.items() if os.environ.get(key) != value}
+        if lacking:
+            seen = ", ".join(f"{key}={os.environ.get(key)!r}" for key in lacking)
+            return BurstResult(outcome="failed", error=f"this rank started without the environment planned for it: "
+                                                       f"{lacking} (it has {seen})")
+        return runner(request, device, reporter)
+
+    return run_rank
 
 
 def start_rank_zygote(address: str, trainable: str) -> "subprocess.Popen":
