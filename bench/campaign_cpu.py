@@ -4,6 +4,11 @@ bring-up config (both promoted for the same steps), and the device-seconds it to
 Run:  .venv/bin/python bench/campaign_cpu.py [--out bench/results/campaign_cpu.json]
 Runs ``autotune run`` (the built-in ``cpu_demo`` campaign, a fresh local Ray cluster) into a
 temporary output directory and writes one JSON with the figures and the winner's contract.
+
+      .venv/bin/python bench/campaign_cpu.py --run-dir RUN_DIR --out FILE
+reads the same figures from a campaign that ran elsewhere (a GPU campaign's run directory brought
+back from the device), with the stack its nodes probed in place of this machine's; its wall time is
+not in the run directory, so it is left out.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from autotune.engine.records import TrialEntry
-from autotune.engine.rundir import RunDir
+from autotune.engine.rundir import PROBE_FILE, RunDir
 from autotune.report.analysis import load_report
 
 
@@ -37,23 +42,43 @@ def outside_steps(run_dir: Path, entries: list[TrialEntry], world_size: int) -> 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, default=Path("bench/results/campaign_cpu.json"))
+    parser.add_argument("--run-dir", type=Path, help="a finished campaign's run directory: read it, run nothing")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="campaign-cpu-") as output:
-        started = time.monotonic()
-        subprocess.run([sys.executable, "-m", "autotune", "run", "--output-dir", output], check=True,
-                       env={**os.environ, "RAY_ADDRESS": ""})
-        wall = time.monotonic() - started
-        (run_dir,) = Path(output).iterdir()
-        spend = json.loads((run_dir / "spend.json").read_text())
-        run = load_report(run_dir)  # what `autotune report` reads: the verdict, bring-up, the gain
-        outside = outside_steps(run_dir, run.entries, run.world_size)
+    if args.run_dir is not None:
+        probes = json.loads((args.run_dir / PROBE_FILE).read_text())
+        report = summarise(args.run_dir, wall=None, machine={"probed_nodes": probes},
+                           command=f"python bench/campaign_cpu.py --run-dir {args.run_dir}")
+    else:
+        with tempfile.TemporaryDirectory(prefix="campaign-cpu-") as output:
+            started = time.monotonic()
+            subprocess.run([sys.executable, "-m", "autotune", "run", "--output-dir", output], check=True,
+                           env={**os.environ, "RAY_ADDRESS": ""})
+            wall = time.monotonic() - started
+            (run_dir,) = Path(output).iterdir()
+            machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
+            report = summarise(run_dir, wall, machine, command="python bench/campaign_cpu.py")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    gain = report["gain_over_bring_up"]
+    print((f"{report['wall_seconds']:.0f} s · " if report["wall_seconds"] is not None else "")
+          + f"median trial {report['median_trial_outside_steps']:.1f} device-s outside its steps"
+          f" · screening {dict(report['screening']['outcomes'])} · {report['verdict']}"
+          + (f" · winner over bring-up {gain['value']:+.1%} [{gain['low']:+.1%}, {gain['high']:+.1%}]"
+             if gain is not None else ""))
+
+
+def summarise(run_dir: Path, wall: float | None, machine: dict, command: str) -> dict:
+    """The figures of one finished campaign's run directory."""
+    spend = json.loads((run_dir / "spend.json").read_text())
+    run = load_report(run_dir)  # what `autotune report` reads: the verdict, bring-up, the gain
+    outside = outside_steps(run_dir, run.entries, run.world_size)
     screened = [e for e in run.entries if e.stage == "screen"]
     bring_up, bring_up_long, winner, gain = run.bring_up, run.bring_up_promoted, run.winner, run.gain_over_bring_up()
-    report = {
-        "benchmark": "campaign_cpu",
-        "command": "python bench/campaign_cpu.py",
+    return {
+        "benchmark": "campaign_cpu" if wall is not None else "campaign_run_dir",
+        "command": command,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "machine": machine,
         "wall_seconds": wall,
         "screening": {"launched": sum(e.launched for e in screened), "outcomes": Counter(e.outcome for e in screened)},
         "promoted": len([e for e in run.entries if e.stage == "promote"]),
@@ -65,6 +90,9 @@ def main() -> None:
         "median_trial_outside_steps": statistics.median(outside) if outside else None,
         # how each launched trial's ranks started: forked from the node's warm zygote, or cold
         "rank_start": Counter(e.contract.rank_start for e in run.entries if e.launched and e.contract is not None),
+        # what each launched trial's ranks were given from the fabric under them (and started with)
+        "environment": Counter(json.dumps(e.contract.environment, sort_keys=True)
+                               for e in run.entries if e.launched and e.contract is not None),
         "objective": "useful_tokens_per_s_per_gpu",
         "bring_up_screen": None if bring_up is None else {"objective": bring_up.objective, "outcome": bring_up.outcome},
         "bring_up_promoted": None if bring_up_long is None else bring_up_long.to_json(),
@@ -73,11 +101,6 @@ def main() -> None:
         "gain_over_bring_up": None if gain is None else {"value": gain.value, "low": gain.low, "high": gain.high,
                                                          "steps": gain.steps, "tie": gain.tie},
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2, default=str) + "\n")
-    print(f"{wall:.0f} s · median trial {report['median_trial_outside_steps']:.1f} device-s outside its steps"
-          f" · screening {dict(report['screening']['outcomes'])} · {report['verdict']}"
-          + (f" · winner over bring-up {gain.describe()}" if gain is not None else ""))
 
 
 if __name__ == "__main__":
