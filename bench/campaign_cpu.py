@@ -62,7 +62,9 @@ def main() -> None:
     gain = report["gain_over_bring_up"]
     print((f"{report['wall_seconds']:.0f} s · " if report["wall_seconds"] is not None else "")
           + f"median trial {report['median_trial_outside_steps']:.1f} device-s outside its steps"
-          f" · screening {dict(report['screening']['outcomes'])} · {report['verdict']}"
+          + (" (" + ", ".join(f"{part} {seconds:.1f}" for part, seconds in split.items()) + ")"
+             if (split := report["spend"].get("median_outside_split")) else "")
+          + f" · screening {dict(report['screening']['outcomes'])} · {report['verdict']}"
           + (f" · winner over bring-up {gain['value']:+.1%} [{gain['low']:+.1%}, {gain['high']:+.1%}]"
              if gain is not None else ""))
 
@@ -88,6 +90,8 @@ def summarise(run_dir: Path, wall: float | None, machine: dict, command: str) ->
         # teardown), from steps.jsonl: the same figure for a run whose trials predate the spend's
         "outside_steps_per_trial": outside,
         "median_trial_outside_steps": statistics.median(outside) if outside else None,
+        # where they went (Tune's trial start, the ranks' start, the build, between steps, after the last)
+        "outside_split_per_trial": [e.outside_steps.model_dump() for e in run.entries if e.outside_steps is not None],
         # how each launched trial's ranks started: forked from the node's warm zygote, or cold
         "rank_start": Counter(e.contract.rank_start for e in run.entries if e.launched and e.contract is not None),
         # what each launched trial's ranks were given from the fabric under them (and started with)

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 
 from autotune.core.contract import (
-    BurstResult, Contract, DataProvenance, Evidence, Hardware, Shapes, StepRecord, StepReport, SteadyWindow,
+    BurstResult, Contract, DataProvenance, Evidence, Hardware, RankStartup, Shapes, StepRecord, StepReport, SteadyWindow,
 )
 from autotune.core.knobs import complete_config
 from autotune.core.steady import steady_state
 from autotune.engine.records import TrialEntry, read_trial_entries, spend
 from autotune.engine.rundir import RunDir
-from autotune.engine.trial import EndEvent, StepEvent, end_result, read_result, step_result
+from autotune.engine.trial import EndEvent, StepEvent, TrialStartup, end_result, read_result, step_result
 from autotune.report.analysis import load_report
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -134,3 +134,11 @@ def test_a_trials_step_and_end_events_come_back_typed() -> None:
     end = read_result(end_result(BurstResult("oom", (RECORD,), error="x" * 5000)))
     assert isinstance(end, EndEvent) and end.outcome == "oom" and len(end.error) == 4000 and end.contract is None
     assert read_result({"training_iteration": 3}) is None  # Tune's own results are no events
+
+
+def test_the_first_step_brings_when_the_trial_and_its_rank_started() -> None:
+    report = StepReport(RECORD, Evidence(), CONTRACT, startup=RankStartup(ready_at=1010.0, first_step_at=1012.5))
+    event = read_result(step_result(report, "useful_tokens_per_s_per_gpu", world_size=2, trial_began_at=1009.0))
+    assert event.startup == TrialStartup(trial_began_at=1009.0, ranks_ready_at=1010.0, first_step_at=1012.5)
+    later = read_result(step_result(StepReport(RECORD, Evidence()), "useful_tokens_per_s_per_gpu", 2, 1009.0))
+    assert later.startup is None

@@ -173,3 +173,4 @@ def test_the_ledger_charges_replayed_seconds_not_its_clock(tmp_path) -> None:
     assert entry.wall_seconds < 60.0
     assert entry.training_device_seconds == pytest.approx(2 * 6 * 1.0)  # the rest was the recorded start-up
     assert spend([entry]).outside_steps == pytest.approx(248.0)
+    assert entry.outside_steps is None  # recorded seconds have no parts timed here

@@ -100,6 +100,15 @@ def test_what_a_trial_spent_outside_its_steps_is_its_time_less_its_recorded_step
         assert 0 < entry.training_device_seconds < entry.device_seconds
     spend = json.loads((run_dir / "spend.json").read_text())
     assert spend["outside_steps"] == pytest.approx(sum(e.device_seconds - training[e.trial_id] for e in launched))
+    # where it went: the parts, timed by the trial and its rank, add up to it (wall against
+    # monotonic clocks: within milliseconds), and each is time that passed
+    for entry in launched:
+        assert entry.outside_steps is not None, entry.trial_id
+        parts = entry.outside_steps.model_dump()
+        assert sum(parts.values()) == pytest.approx(entry.device_seconds - training[entry.trial_id], abs=0.05)
+        assert min(parts.values()) > -0.05, parts
+        assert parts["rank_start"] > 0 and parts["build"] > 0, parts
+    assert set(spend["median_outside_split"]) == {"trial_start", "rank_start", "build", "between_steps", "after_steps"}
 
 
 def test_the_stage_split_is_the_steady_steps_mean(campaign_run) -> None:

@@ -69,6 +69,9 @@ def print_summary(console: Console, loaded: RunReport) -> None:
         console.print(f"outside training steps (start-up, build, teardown): {spent.outside_steps / 3600:.3f} "
                       f"device-hours, {100 * spent.outside_steps / spent.total:.0f}% of the spend; "
                       f"{spent.median_trial_outside_steps:.1f} device-s for the median trial")
+    if (parts := spent.median_outside_split) is not None:
+        console.print("  medians: " + ", ".join(f"{part.replace('_', ' ')} {seconds:.1f} s"
+                                                for part, seconds in parts.model_dump().items()))
     for split in loaded.stage_splits[:3]:
         parts = ", ".join(f"{part.removesuffix('_seconds')} {100 * value / split.step_seconds:.0f}%"
                           for part, value in split.parts.items() if split.step_seconds)

@@ -314,6 +314,16 @@ class Contract(_Record):
         return self.model_dump(mode="json", exclude_unset=True)
 
 
+@dataclass(frozen=True, slots=True)
+class RankStartup:
+    """When the reporting rank was ready (its process started or forked, the process group up, its
+    trainable called) and when it began its first step: wall-clock ``time.time()`` seconds, so the
+    tuner, in another process of the same node, can split a trial's seconds outside its steps."""
+
+    ready_at: float
+    first_step_at: float
+
+
 @dataclass(frozen=True)
 class StepReport:
     """What a burst tells its caller after each step, so a caller that stops it early (or loses
@@ -327,6 +337,8 @@ class StepReport:
     elapsed_seconds: float | None = None
     """A replayed burst's recorded seconds since launch (start-up included), which the tuner
     charges instead of its own clock; ``None`` for a burst that spends real time."""
+    startup: RankStartup | None = None
+    """With the first step's report only, from a rank that spends real time (not a replay)."""
 
 
 Reporter = Callable[[StepReport], bool]

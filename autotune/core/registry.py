@@ -11,10 +11,11 @@ from __future__ import annotations
 import functools
 import importlib
 import os
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable
 
-from autotune.core.contract import BurstRequest, BurstResult, Reporter, TrainableSupport
+from autotune.core.contract import BurstRequest, BurstResult, RankStartup, Reporter, StepReport, TrainableSupport
 from autotune.core.errors import AutotuneError
 
 if TYPE_CHECKING:
@@ -67,7 +68,10 @@ def rank_runner(name: str) -> Callable[[BurstRequest, "torch.device", Reporter |
     A rank whose process lacks the environment planned for it (``request.environment``: the
     fabric settings its contract records) fails with what it lacks instead of training: those
     settings are read once, when CUDA and the communication libraries start, so a rank without
-    them would measure another configuration than the one recorded."""
+    them would measure another configuration than the one recorded.
+
+    The reporting rank's first report carries when it was ready and began that step
+    (:class:`RankStartup`): the tuner splits a trial's start-up by them."""
     if name not in TRAINABLES:
         raise AutotuneError(f"unknown trainable {name!r}; known trainables: {', '.join(TRAINABLES)}")
     runner = _load(TRAINABLES[name].rank_runner)
@@ -78,9 +82,24 @@ def rank_runner(name: str) -> Callable[[BurstRequest, "torch.device", Reporter |
             seen = ", ".join(f"{key}={os.environ.get(key)!r}" for key in lacking)
             return BurstResult(outcome="failed", error=f"this rank started without the environment planned for it: "
                                                        f"{lacking} (it has {seen})")
-        return runner(request, device, reporter)
+        return runner(request, device, reporter if reporter is None else _StartupReporter(reporter))
 
     return run_rank
+
+
+class _StartupReporter:
+    """Passes reports on, the first with when this rank was ready and began its first step (the
+    report comes as that step ends, so it began ``step_seconds`` before)."""
+
+    def __init__(self, reporter: Reporter) -> None:
+        self.reporter = reporter
+        self.ready_at: float | None = time.time()
+
+    def __call__(self, report: StepReport) -> bool:
+        if self.ready_at is not None:
+            report = replace(report, startup=RankStartup(self.ready_at, time.time() - report.record.step_seconds))
+            self.ready_at = None
+        return self.reporter(report)
 
 
 def start_rank_zygote(address: str, trainable: str) -> "subprocess.Popen":

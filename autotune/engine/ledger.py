@@ -19,9 +19,11 @@ from typing import Callable
 from autotune.core.contract import Contract, Evidence, SteadyWindow
 from autotune.core.steady import SteadyEstimate, steady_state
 from autotune.engine.faults import node_lost
-from autotune.engine.records import Cause, EntryOutcome, Launch, Spend, Stage, StepEntry, TrialEntry, spend
+from autotune.engine.records import (
+    Cause, EntryOutcome, Launch, OutsideSteps, Spend, Stage, StepEntry, TrialEntry, spend,
+)
 from autotune.engine.rundir import RunDir
-from autotune.engine.trial import EndEvent, StepEvent, read_result
+from autotune.engine.trial import EndEvent, StepEvent, TrialStartup, read_result
 from autotune.search.history import Rejection
 from autotune.search.screening import ScreenDecision
 
@@ -31,6 +33,8 @@ class LiveTrial:
     trial_id: str
     launch: Launch
     started: float = field(default_factory=time.monotonic)
+    started_at: float = field(default_factory=time.time)
+    """``started`` by the wall clock, which the trial's ranks time their start-up by."""
     objective: list[float] = field(default_factory=list)
     model_flops: list[float] = field(default_factory=list)
     step_seconds: list[float] = field(default_factory=list)
@@ -44,6 +48,10 @@ class LiveTrial:
     """A replayed burst's recorded seconds so far: charged instead of the wall clock."""
     last_report: float | None = None
     """When its last result arrived (``time.monotonic``)."""
+    last_step_at: float | None = None
+    """When its last step's result arrived (``time.time``)."""
+    startup: TrialStartup | None = None
+    """When its function began and its reporting rank was ready and began its first step."""
     hung: str | None = None
     """Why the watchdog killed it, once it has."""
     not_started: str | None = None
@@ -85,6 +93,8 @@ class Ledger:
         if event is None:  # one of Tune's own results
             return
         if isinstance(event, StepEvent):
+            trial.last_step_at = time.time()
+            trial.startup = event.startup or trial.startup
             record = event.record
             trial.objective.append(event.objective)
             trial.model_flops.append(record.model_flops)
@@ -130,6 +140,7 @@ class Ledger:
             wall_seconds=time.monotonic() - trial.started,
             device_seconds=trial.charged_seconds() * self.world_size,
             training_device_seconds=sum(trial.step_seconds) * self.world_size,
+            outside_steps=self._outside_steps(trial),
             benchmark_only=self.benchmark_only,
             evidence=trial.evidence,
             contract=None if trial.contract is None else trial.contract.model_copy(update={
@@ -143,6 +154,21 @@ class Ledger:
         self.run_dir.trials.append(entry)
         self._add(entry)
         return entry
+
+    def _outside_steps(self, trial: LiveTrial) -> OutsideSteps | None:
+        """Where the trial's device-seconds outside its steps went, by the times its function and
+        reporting rank sent with the first step (``None`` without them: a replay, no step)."""
+        startup = trial.startup
+        if startup is None or trial.last_step_at is None or trial.replayed_seconds is not None:
+            return None
+        seconds = {
+            "trial_start": startup.trial_began_at - trial.started_at,
+            "rank_start": startup.ranks_ready_at - startup.trial_began_at,
+            "build": startup.first_step_at - startup.ranks_ready_at,
+            "between_steps": trial.last_step_at - startup.first_step_at - sum(trial.step_seconds),
+            "after_steps": time.time() - trial.last_step_at,
+        }
+        return OutsideSteps(**{part: round(value * self.world_size, 3) for part, value in seconds.items()})
 
     def _outcome(self, trial: LiveTrial, errored: bool) -> tuple[EntryOutcome, Cause | None, str]:
         if trial.hung is not None:

@@ -51,6 +51,24 @@ class Launch:
     retry_of: str | None = None
 
 
+class OutsideSteps(BaseModel):
+    """Where a launched trial's device-seconds outside its training steps went, from Tune starting it
+    to its end (timed by the wall clock of its node, times its devices): what warm workers are judged by."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    trial_start: float
+    """Tune starting the trial to its function running (its actor, or a process kept from an earlier trial)."""
+    rank_start: float
+    """To the reporting rank ready: the ranks forked from a zygote or started, their process group up."""
+    build: float
+    """To the first step: the trainable's set-up (model, optimizer, data loader, parallel state)."""
+    between_steps: float
+    """Between the first step's start and the last step's report at the driver, outside the steps'
+    timers: reporting to the tuner, and what a step's timer does not cover."""
+    after_steps: float
+    """The last step's report at the driver to the trial's end: the ranks' teardown, the result's way back."""
+
 class TrialEntry(BaseModel):
     """One line of ``trials.jsonl``: a launched trial as it ended, or a proposal rejected before launch."""
 
@@ -91,6 +109,9 @@ class TrialEntry(BaseModel):
     training_device_seconds: float | None = None
     """The part of ``device_seconds`` inside its training steps (their step times, on every device);
     the rest is the trial's start-up and teardown. ``None`` in runs recorded before it was kept."""
+    outside_steps: OutsideSteps | None = None
+    """Where the rest went, for a trial whose ranks reported a step and when they started; ``None``
+    for a replay, a trial that ended before its first step, or runs recorded before it was kept."""
     benchmark_only: bool = False
     evidence: Evidence = Evidence()
     contract: Contract | None = None
@@ -153,6 +174,8 @@ class Spend(BaseModel):
     recorded its training seconds."""
     median_trial_outside_steps: float | None = None
     """The median launched trial's device-seconds outside its training steps."""
+    median_outside_split: OutsideSteps | None = None
+    """Each part's median over the trials that recorded where their seconds outside steps went."""
 
 
 def spend(entries: Iterable[TrialEntry]) -> Spend:
@@ -161,6 +184,7 @@ def spend(entries: Iterable[TrialEntry]) -> Spend:
     launched = {"screen": 0, "promote": 0}
     rejected = 0
     outside: list[float] = []
+    splits: list[OutsideSteps] = []
     for entry in entries:
         by_stage[entry.stage] += entry.device_seconds
         by_outcome[entry.outcome] += entry.device_seconds
@@ -168,12 +192,17 @@ def spend(entries: Iterable[TrialEntry]) -> Spend:
             launched[entry.stage] += 1
             if entry.training_device_seconds is not None:
                 outside.append(max(0.0, entry.device_seconds - entry.training_device_seconds))
+            if entry.outside_steps is not None:
+                splits.append(entry.outside_steps)
         else:
             rejected += 1
     return Spend(total=sum(by_stage.values()), by_stage=dict(by_stage), by_outcome=dict(by_outcome),
                  trials=launched, rejected_before_launch=rejected,
                  outside_steps=sum(outside) if outside else None,
-                 median_trial_outside_steps=statistics.median(outside) if outside else None)
+                 median_trial_outside_steps=statistics.median(outside) if outside else None,
+                 median_outside_split=OutsideSteps(**{
+                     part: statistics.median(getattr(split, part) for split in splits) for part in OutsideSteps.model_fields
+                 }) if splits else None)
 
 
 def read_trial_entries(lines: Iterable[dict[str, Any]]) -> Iterator[TrialEntry]:

@@ -20,6 +20,7 @@ Ranks start one of two ways (the campaign's ``hardware.launcher``):
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -118,6 +119,18 @@ def objective_value(objective: str, tokens_per_second: float, model_flops: float
     return tokens_per_second / world_size
 
 
+class TrialStartup(BaseModel):
+    """When the trial's function began, and when its reporting rank was ready and began its first
+    step (wall-clock seconds on the trial's node): what splits the trial's seconds outside its
+    steps into Tune's start, the ranks' start and the build."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    trial_began_at: float
+    ranks_ready_at: float
+    first_step_at: float
+
+
 class StepEvent(BaseModel):
     """A step as a trial reports it to the driver."""
 
@@ -131,6 +144,8 @@ class StepEvent(BaseModel):
     """The measurement contract, with the first step only."""
     elapsed_seconds: float | None
     """A replayed burst's recorded seconds since launch (see :class:`~autotune.core.contract.StepReport`)."""
+    startup: TrialStartup | None = None
+    """With the first step only, from a rank that spends real time."""
 
 
 class EndEvent(BaseModel):
@@ -145,13 +160,17 @@ class EndEvent(BaseModel):
     elapsed_seconds: float | None
 
 
-def step_result(report: StepReport, objective: str, world_size: int) -> dict[str, Any]:
+def step_result(report: StepReport, objective: str, world_size: int, trial_began_at: float | None = None
+                ) -> dict[str, Any]:
     """A Tune result for one step. The event travels as one JSON text (``payload``): Tune
-    flattens nested result dicts; the objective also travels on its own, for the scheduler."""
+    flattens nested result dicts; the objective also travels on its own, for the scheduler.
+    ``trial_began_at``: when the trial's function began (``time.time()``), sent with the rank's start."""
     record = report.record
     value = objective_value(objective, record.tokens_per_second, record.model_flops, record.step_seconds, world_size)
+    startup = None if report.startup is None or trial_began_at is None else TrialStartup(
+        trial_began_at=trial_began_at, ranks_ready_at=report.startup.ready_at, first_step_at=report.startup.first_step_at)
     event = StepEvent(objective=value, record=record, evidence=report.evidence, contract=report.contract,
-                      elapsed_seconds=report.elapsed_seconds)
+                      elapsed_seconds=report.elapsed_seconds, startup=startup)
     return {"event": "step", "objective": value, "payload": event.model_dump_json(exclude_unset=True)}
 
 
@@ -180,13 +199,14 @@ class _TuneReporter:
     """Reports each step to Tune; a ``SystemExit`` from Tune (the scheduler stopped the trial)
     becomes "stop after this step"."""
 
-    def __init__(self, job: TrialJob) -> None:
+    def __init__(self, job: TrialJob, began_at: float) -> None:
         self.job = job
+        self.began_at = began_at
         self.stopped = False
 
     def __call__(self, report: StepReport) -> bool:
         try:
-            tune.report(step_result(report, self.job.objective, self.job.request.world_size))
+            tune.report(step_result(report, self.job.objective, self.job.request.world_size, self.began_at))
         except SystemExit:
             self.stopped = True
             return False
@@ -195,12 +215,13 @@ class _TuneReporter:
 
 def run_trial(params: dict[str, Any], job: TrialJob) -> None:
     """The Tune function trainable."""
+    began_at = time.time()
     try:
         request = job.request_for(params)
     except FabricRefused as exc:  # before any rank starts: it cost nothing
         tune.report(end_result(BurstResult(outcome="invalid", error=str(exc))))
         return
-    reporter = _TuneReporter(job)
+    reporter = _TuneReporter(job, began_at)
     os.environ["TUNE_FUNCTION_THREAD_TIMEOUT_S"] = str(REUSE_WAIT_S)  # read when Tune reuses this process
     if job.launcher == "local":
         warm = None if job.warm_ranks is None else zygote_address(job.warm_ranks,
@@ -213,10 +234,10 @@ def run_trial(params: dict[str, Any], job: TrialJob) -> None:
             raise SystemExit(0)
         tune.report(end_result(result))
         return
-    _run_on_ray_train(job, request, params)
+    _run_on_ray_train(job, request, params, began_at)
 
 
-def _run_on_ray_train(job: TrialJob, request: BurstRequest, params: dict[str, Any]) -> None:
+def _run_on_ray_train(job: TrialJob, request: BurstRequest, params: dict[str, Any], began_at: float) -> None:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
     from ray.tune.integration.ray_train import TuneReportCallback
@@ -224,7 +245,7 @@ def _run_on_ray_train(job: TrialJob, request: BurstRequest, params: dict[str, An
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", str(RAY_TRAIN_POLL_INTERVAL_S))  # to the controller
     trainer = TorchTrainer(
         _worker_loop,
-        train_loop_config={"job": job, "request": request},
+        train_loop_config={"job": job, "request": request, "trial_began_at": began_at},
         scaling_config=ScalingConfig(
             num_workers=request.world_size, use_gpu=job.use_gpu, resources_per_worker=job.worker_resources(),
             label_selector=label_selectors(params.get("placement"), domain_label(job.accelerator, job.imex_channel)),
@@ -272,7 +293,8 @@ def _worker_loop(config: dict[str, Any]) -> None:
     def report_step(report: StepReport) -> bool:
         if report.contract is not None:
             report = replace(report, contract=report.contract.model_copy(update=where))
-        ray.train.report(step_result(report, job.objective, request.world_size) if rank == 0 else {})
+        ray.train.report(step_result(report, job.objective, request.world_size, config["trial_began_at"])
+                         if rank == 0 else {})
         return True
 
     misplaced = _misplaced(job, request, workers)

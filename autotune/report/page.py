@@ -74,6 +74,9 @@ def _spend_table(report: RunReport) -> str:
     if outside is not None:
         cells += (f"<tr><td>outside training steps</td><td>start-up, build, teardown</td>"
                   f"{_number(outside / 3600, 4, 'outside_steps')}</tr>")
+    if (parts := report.spend.median_outside_split) is not None:
+        cells += "".join(f"<tr><td>outside steps, median trial (device-s)</td><td>{escape(part.replace('_', ' '))}</td>"
+                         f"{_number(seconds, 2, f'outside:{part}')}</tr>" for part, seconds in parts.model_dump().items())
     return (f'<table id="spend"><tr><th>split</th><th></th><th>device-hours</th></tr>{cells}'
             f"<tr><td>total</td><td></td>{_number(hours.total, 4, 'total')}</tr></table>")
 
