@@ -5,7 +5,8 @@
 # so that the next call's copy of the working tree cannot change it mid-run; every call waits up to
 # WAIT_S seconds (default 540), then copies to $OUT/xout the files atop /tmp/xout (the command's log
 # and exit status) and all.tgz: /tmp/xout with what the command wrote there, and /tmp/xrepo/runs
-# (the device gives back files at most 16 folders deep). Once started, it is never started again: a
+# (the device gives back files at most 16 folders deep), their files under 4 MiB: a generated
+# checkpoint or dataset there made the archive too large to come back. Once started, it is never started again: a
 # later call waits and copies, or says the command died without an exit status. Call again at once
 # to keep the machine.
 #   bash .dev/setup.sh && PYTHONPATH=/tmp/site bash bench/device/detached.sh python3 -m autotune run campaigns/h200_single.yaml
@@ -35,8 +36,8 @@ while [ ! -f "$work/rc" ] && [ "$SECONDS" -lt "$deadline" ]; do
 done
 mkdir -p "$OUT/xout"
 find "$work" -maxdepth 1 -type f -exec cp {} "$OUT/xout/" \;
-archived=(-C /tmp xout)
-[ -d /tmp/xrepo/runs ] && archived+=(-C /tmp/xrepo runs)
-tar czf "$OUT/xout/all.tgz" "${archived[@]}"
+# Files of 4 MiB or more stay behind (a checkpoint, prepared data): the device gives back less.
+(cd / && find tmp/xout tmp/xrepo/runs -type f -size -4M -print0 2>/dev/null || true) \
+  | tar czf "$OUT/xout/all.tgz" -C / --null -T -
 if [ -f "$work/rc" ]; then echo "finished: rc $(cat "$work/rc")"; else echo "not finished at $(date -u +%FT%TZ)"; fi
 grep -aE "screen |promote |spent|winner" "$work/command.log" | tail -25 || true
