@@ -20,6 +20,7 @@ from autotune.core.knobs import complete_config
 from autotune.core.model import model_preset
 from trainables.data.loader import ImageSettings, PackedVLMDataset
 from trainables.flops import CONVENTION
+from trainables import zygote
 from trainables.launch import run_local
 from trainables.native.burst import native_contract, run_rank
 from trainables.native.cuda_graphs import apply_cuda_graphs
@@ -237,8 +238,15 @@ def test_configs_the_native_model_cannot_build_raise_invalid_config() -> None:
                                                            expert_dp_group=None))
 
 
-def test_a_rank_that_cannot_start_reports_why(photo_shards: Path) -> None:
-    result = run_local(request(photo_shards, world_size=2), trainable="no_such_trainable")
+def test_a_rank_that_cannot_start_reports_why(photo_shards: Path, tmp_path: Path) -> None:
+    # Ranks forked from a zygote already running (a campaign's), whatever ran in this process before.
+    address = str(tmp_path / "zygote.sock")
+    process = zygote.start(address)
+    try:
+        result = run_local(request(photo_shards, world_size=2), trainable="no_such_trainable", warm_ranks=address)
+    finally:
+        process.kill()
+        process.wait()
     assert result.outcome == "failed"
     assert "could not start" in result.error and "unknown trainable 'no_such_trainable'" in result.error
 
