@@ -229,3 +229,25 @@ def test_compare_refuses_different_workloads_and_ranks_the_same_one(campaign_run
     (fsdp / "trials.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
     fp8 = compare(load_report(run_dir), load_report(fsdp))
     assert not fp8.comparable and fp8.ratio is None and "precision" in fp8.verdict and "fp8" in fp8.verdict
+
+
+BRIDGE_RUN = Path(__file__).resolve().parents[1] / "bench/results/h200_bridge_campaign_20261205"
+
+
+def test_a_tuned_knob_without_runtime_evidence_is_flagged_only_where_the_config_sets_it(tmp_path: Path) -> None:
+    """The recipe as written (no recompute, no graphs) leaves recompute modules and graph scope
+    unset: nothing to observe. The winner sets them: a promoted run of it that observed no
+    recompute modules is flagged."""
+    def warnings(run_dir: Path) -> list[str]:
+        return [flag.text for flag in load_report(run_dir).flags if "no runtime evidence" in flag.text]
+
+    assert warnings(BRIDGE_RUN) == []
+    run_dir = tmp_path / "run"
+    shutil.copytree(BRIDGE_RUN, run_dir)
+    lines = [json.loads(line) for line in (run_dir / "trials.jsonl").read_text().splitlines()]
+    for line in lines:
+        if line["stage"] == "promote" and line["config"].get("recompute_modules"):
+            del line["evidence"]["checks"]["recompute_modules"]
+    (run_dir / "trials.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert warnings(run_dir) == ["no runtime evidence that these tuned knobs took effect in the promoted runs: "
+                                 "recompute_modules"]

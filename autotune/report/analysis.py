@@ -308,8 +308,9 @@ def _flags(report: RunReport, campaign) -> list[Flag]:
     for entry, why in report.verdict.disqualified:
         flags.append(Flag("warning", f"{entry.trial_id} ruled out: {why}"))
     promoted = [e for e in report.launched("promote") if e.outcome == "ok"]
+    # A knob a config leaves unset (the modules of no recompute, the scope of no graphs) has nothing to take effect.
     unchecked = sorted({knob for e in promoted for knob in report.tuned_knobs
-                        if knob not in SHAPE_CHECKED and knob not in e.evidence.checks})
+                        if knob not in SHAPE_CHECKED and e.config.get(knob) is not None and knob not in e.evidence.checks})
     if unchecked:
         flags.append(Flag("warning", f"no runtime evidence that these tuned knobs took effect in the promoted "
                                      f"runs: {', '.join(unchecked)}"))
