@@ -18,7 +18,7 @@ import time
 import traceback
 from dataclasses import replace
 from datetime import timedelta
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping, TypeVar
 
@@ -184,13 +184,13 @@ def _exit_reason(rank: int, exitcode: int | None) -> str:
 def _supervise(processes: list[ZygoteChild], relay: Connection, reporter: Reporter | None, start: str,
                environment: Mapping[str, str]) -> set[int]:
     """Relay rank 0's reports to ``reporter`` until every rank exits; kill ranks left stuck
-    after another one exited (they wait in a collective for a rank that is gone) and return them."""
+    after another one exited (they wait in a collective for a rank that is gone) and return them.
+    It wakes on a report or an exit as it comes: the burst ends as soon as its last rank has."""
     first_exit: float | None = None
     stragglers: set[int] = set()
-    while any(process.is_alive() for process in processes):
-        if reporter is None:
-            time.sleep(0.2)
-        elif relay.poll(0.2):
+    while alive := [process for process in processes if process.is_alive()]:
+        ready = wait([process.sentinel for process in alive] + ([relay] if reporter is not None else []), timeout=0.2)
+        if reporter is not None and relay in ready:
             try:
                 report: StepReport = relay.recv()
             except EOFError:  # rank 0 ended

@@ -77,6 +77,11 @@ class ZygoteChild:
         self.pid = pid
         self.exitcode: int | None = None
 
+    @property
+    def sentinel(self) -> Connection:
+        """Ready once the child has ended (its exit code arrived): for :func:`multiprocessing.connection.wait`."""
+        return self._connection
+
     def is_alive(self) -> bool:
         return not self._ended(timeout=0)
 
