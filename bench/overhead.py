@@ -90,6 +90,12 @@ def write_inputs(folder: Path) -> Path:
     campaign.update(name="overhead", space="space.yaml", output_dir=str(folder / "runs"))
     campaign["hardware"].update(gpus_per_node=AT_ONCE * 2 // NODES, nodes=NODES, gpus_per_trial=2)
     campaign["budget"] = {"max_trials": TRIALS}
+    # The space must keep more than 200 runnable configs, which the demo's workload and memory
+    # budget leave too few of: no global batch (one micro-batch a replica a step, so every MBS of
+    # 1-12 runs), freezing tuned, and no counted memory budget (the rows mapped onto MBS above 8
+    # carry MBS 8's peaks, which the memory model would reject).
+    campaign["workload"] = {"tunable_freezing": True}
+    campaign["hardware"].pop("cpu_device_memory_gib", None)
     path = folder / "campaign.yaml"
     path.write_text(yaml.safe_dump(campaign))
     recorded = load_table(RECORDED)
