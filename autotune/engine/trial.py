@@ -121,8 +121,9 @@ def objective_value(objective: str, tokens_per_second: float, model_flops: float
 
 class TrialStartup(BaseModel):
     """When the trial's function began, and when its reporting rank was ready and began its first
-    step (wall-clock seconds on the trial's node): what splits the trial's seconds outside its
-    steps into Tune's start, the ranks' start and the build."""
+    step (``time.time()`` where each ran: one node for a local launch; a Ray Train worker on
+    another node reads that node's clock, as close as the cluster keeps its clocks): what splits
+    the trial's seconds outside its steps into Tune's start, the ranks' start and the build."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
