@@ -129,6 +129,46 @@ def test_ranks_die_with_the_process_that_asked_for_them(warm: str) -> None:
     assert not _running(rank)
 
 
+def test_a_rank_left_on_a_gpu_given_to_another_trial_is_ended_before_the_new_one_starts(warm: str) -> None:
+    """Ray hands a stopped trial's GPUs to the next trial while the stopped burst's rank may still
+    hold their memory: the zygote ends that rank before it forks one for the GPUs' new owner. A
+    rank on other GPUs, a CPU rank and the asker's own earlier ranks stay."""
+    stopped_trial = subprocess.Popen(  # a trial process Tune has stopped, its rank still on GPUs 0 and 1
+        [sys.executable, "-c", (
+            "import time\n"
+            "from multiprocessing import Pipe\n"
+            "from trainables.zygote import Zygote\n"
+            "ours, theirs = Pipe()\n"
+            f"child = Zygote({warm!r}).fork('test_zygote:wait_forever', (), theirs, {{'CUDA_VISIBLE_DEVICES': '0,1'}})\n"
+            "print(child.pid, flush=True)\n"
+            "time.sleep(600)\n")],
+        stdout=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"},
+    )
+    ours: list = []
+
+    def fork(gpus: str):
+        relay, theirs = Pipe()
+        with theirs:
+            ours.append((Zygote(warm).fork("test_zygote:wait_forever", (), theirs, {"CUDA_VISIBLE_DEVICES": gpus}),
+                         relay))
+        return ours[-1][0]
+
+    try:
+        left = int(stopped_trial.stdout.readline())
+        other_gpus, cpu = fork("2,3"), fork("")
+        assert _running(left)
+        first_on_1 = fork("1")
+        assert not _running(left)  # ended and reaped before the new rank was forked
+        second_on_1 = fork("1")  # the same asker's ranks share their GPUs (a burst of several ranks)
+        assert all(_running(child.pid) for child in (other_gpus, cpu, first_on_1, second_on_1))
+    finally:
+        for child, _ in ours:
+            child.kill()
+            child.join(timeout=10)
+        stopped_trial.kill()
+        stopped_trial.wait()
+
+
 def kill_self(relay) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 

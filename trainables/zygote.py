@@ -171,7 +171,7 @@ def serve(address: str, ready_fd: int, preload: Sequence[str], where_installed: 
     os.set_blocking(wake_write, False)
     signal.set_wakeup_fd(wake_write)
     signal.signal(signal.SIGCHLD, lambda *_: None)
-    children: dict[int, Connection] = {}
+    children: dict[int, _Child] = {}
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(address)
     listener.listen(64)
@@ -198,22 +198,61 @@ def serve(address: str, ready_fd: int, preload: Sequence[str], where_installed: 
             Path(address).parent.rmdir()
 
 
-def _report_exits(children: dict[int, Connection]) -> None:
+@dataclass(frozen=True)
+class _Child:
+    """A live child, as the zygote keeps it: where its exit code goes, and whose GPUs it holds."""
+
+    connection: Connection
+    requester_pid: int
+    gpus: frozenset[str]
+    """Its ``CUDA_VISIBLE_DEVICES`` (empty: none named, a CPU rank)."""
+
+
+def _gpus(environ: Mapping[str, str]) -> frozenset[str]:
+    return frozenset(gpu for gpu in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if gpu.strip())
+
+
+def _report_exits(children: dict[int, _Child]) -> None:
     while children:
         pid, status = os.waitpid(-1, os.WNOHANG)
         if pid == 0:
             return
-        connection = children.pop(pid, None)
-        if connection is None:
-            continue
-        try:
-            connection.send(os.waitstatus_to_exitcode(status))
-        except OSError:  # the requester is gone
-            pass
-        connection.close()
+        _report_exit(children, pid, status)
 
 
-def _fork_one(listener: socket.socket, children: dict[int, Connection], closed_in_child: tuple[int, ...]) -> None:
+def _report_exit(children: dict[int, _Child], pid: int, status: int) -> None:
+    child = children.pop(pid, None)
+    if child is None:
+        return
+    try:
+        child.connection.send(os.waitstatus_to_exitcode(status))
+    except OSError:  # the requester is gone
+        pass
+    child.connection.close()
+
+
+def _end_ranks_left_on(gpus: frozenset[str], requester_pid: int, children: dict[int, _Child]) -> None:
+    """Kill, and wait for, every child of another requester still holding one of ``gpus``.
+
+    Why: Ray gives a trial's GPUs to the next trial once it has stopped the trial, while the
+    stopped burst's rank may still be finishing its step and releasing its memory; a new rank on
+    the same GPU then ran out of memory at its build because of it (an H100, 2026-12-05: "Process
+    6334 has 62.87 GiB memory in use", the previous stage's last pruned screen). Such a rank has
+    nothing left to report: the stopped trial's steps are in. A CPU rank names no GPU and is
+    never ended here (CPU trials share the node's cores)."""
+    if not gpus:
+        return
+    for pid, child in list(children.items()):
+        if child.requester_pid != requester_pid and child.gpus & gpus:
+            log.warning("rank %d of process %d still holds GPU %s, now given to process %d: ending it", pid,
+                        child.requester_pid, ",".join(sorted(child.gpus & gpus)), requester_pid)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            _, status = os.waitpid(pid, 0)  # its device memory is free once it has exited
+            _report_exit(children, pid, status)
+
+
+def _fork_one(listener: socket.socket, children: dict[int, _Child], closed_in_child: tuple[int, ...]) -> None:
     sock, _ = listener.accept()
     try:
         _, fds, _, _ = socket.recv_fds(sock, 1, 1)
@@ -225,6 +264,8 @@ def _fork_one(listener: socket.socket, children: dict[int, Connection], closed_i
     except (OSError, EOFError):  # the requester went away mid-request
         sock.close()
         return
+    gpus = _gpus(request.environ)
+    _end_ranks_left_on(gpus, request.requester_pid, children)
     pid = os.fork()
     if pid == 0:
         code = 1
@@ -234,7 +275,7 @@ def _fork_one(listener: socket.socket, children: dict[int, Connection], closed_i
             for fd in closed_in_child:
                 os.close(fd)
             for other in children.values():
-                other.close()
+                other.connection.close()
             connection.close()
             code = _run_child(request, Connection(fds[0]))
         except BaseException:  # noqa: BLE001 - the child's error goes to its stderr, its code to the zygote
@@ -244,7 +285,7 @@ def _fork_one(listener: socket.socket, children: dict[int, Connection], closed_i
             sys.stderr.flush()
             os._exit(code)
     os.close(fds[0])
-    children[pid] = connection
+    children[pid] = _Child(connection, request.requester_pid, gpus)
     try:
         connection.send(pid)
     except OSError:
