@@ -62,7 +62,8 @@ def main() -> None:
     gain = report["gain_over_bring_up"]
     print((f"{report['wall_seconds']:.0f} s · " if report["wall_seconds"] is not None else "")
           + f"median trial {report['median_trial_outside_steps']:.1f} device-s outside its steps"
-          + (" (" + ", ".join(f"{part} {seconds:.1f}" for part, seconds in split.items()) + ")"
+          + (" (" + ", ".join(f"{part} {seconds:.1f}" for part, seconds in split.items() if part != "build_phases")
+             + "; build: " + ", ".join(f"{phase['name']} {phase['seconds']:.2f}" for phase in split["build_phases"]) + ")"
              if (split := report["spend"].get("median_outside_split")) else "")
           + f" · screening {dict(report['screening']['outcomes'])} · {report['verdict']}"
           + (f" · winner over bring-up {gain['value']:+.1%} [{gain['low']:+.1%}, {gain['high']:+.1%}]"

@@ -185,6 +185,7 @@ def _bridge_run(made: dict[str, Path], config: dict, built: object, replays: int
     from autotune.core.contract import BurstRequest, DataSpec
     from autotune.core.knobs import complete_config
     from trainables.bridge.burst import BridgeRun, _StepCounter
+    from trainables.steps import BuildClock
     from trainables.graph_replays import CountedGraph
 
     config = complete_config(config)
@@ -196,6 +197,7 @@ def _bridge_run(made: dict[str, Path], config: dict, built: object, replays: int
     graph.replays = replays
     return BridgeRun(request=request, device=torch.device("cpu"), rank=0, world_size=1, recipe=None,
                      trial_overrides=[], counter=counter, counts_data=True, computes_loss=True, precision="bf16_mixed",
+                     build=BuildClock(torch.device("cpu")),
                      model_config=built, graphs=[graph] if replays else [])
 
 

@@ -15,7 +15,9 @@ import pytest
 import torch
 from torch import nn
 
-from autotune.core.contract import BurstRequest, Contract, DataSpec, Evidence, InvalidConfig, StepRecord, StepReport
+from autotune.core.contract import (
+    BuildPhase, BurstRequest, Contract, DataSpec, Evidence, InvalidConfig, StepRecord, StepReport,
+)
 from autotune.core.knobs import complete_config
 from autotune.core.model import model_preset
 from trainables.data.loader import ImageSettings, PackedVLMDataset
@@ -333,6 +335,7 @@ class OneRank:
     world_size: int = 1
     observed: Evidence = field(default_factory=lambda: Evidence(checks={"recompute_granularity": True},
                                                                  recompute_calls=3))
+    build_phases: tuple[BuildPhase, ...] = (BuildPhase("model", 0.5),)
 
     def evidence(self) -> Evidence:
         return self.observed
@@ -355,7 +358,8 @@ def test_finish_step_on_one_rank_assembles_the_record_from_local_measures() -> N
         peak_memory_bytes=123, loss=2.5, skipped_samples=1,
     )
     assert not stop
-    assert reports == [StepReport(record, OneRank().observed, Contract(trainable="test"))]
+    assert reports == [StepReport(record, OneRank().observed, Contract(trainable="test"),
+                                  build_phases=(BuildPhase("model", 0.5),))]  # the build, with the first step
     # After step 0 no contract; the reporter's False stops; a rank without a loss reports 0.
     quiet = LocalMeasures(step_seconds=1.0, data_wait_seconds=0.0, vision_seconds=0.0, projector_seconds=0.0,
                           peak_memory_bytes=1)
@@ -374,7 +378,7 @@ from trainables.steps import LocalMeasures, StepCounts, finish_step
 rank, port = int(sys.argv[1]), sys.argv[2]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=120))
 class Run:
-    device, rank, world_size = torch.device("cpu"), rank, 2
+    device, rank, world_size, build_phases = torch.device("cpu"), rank, 2, ()
     def evidence(self): return Evidence()
     def contract(self): return Contract(trainable="test")
 # As megatron's ranks: rank 0 counts the data and computes no loss, rank 1 the reverse, and is slower.

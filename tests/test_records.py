@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from autotune.core.contract import (
-    BurstResult, Contract, DataProvenance, Evidence, Hardware, RankStartup, Shapes, StepRecord, StepReport, SteadyWindow,
+    BuildPhase, BurstResult, Contract, DataProvenance, Evidence, Hardware, RankStartup, Shapes, StepRecord, StepReport, SteadyWindow,
 )
 from autotune.core.knobs import complete_config
 from autotune.core.steady import steady_state
-from autotune.engine.records import TrialEntry, read_trial_entries, spend
+from autotune.engine.records import OutsideSteps, TrialEntry, read_trial_entries, spend
 from autotune.engine.rundir import RunDir
 from autotune.engine.trial import EndEvent, StepEvent, TrialStartup, end_result, read_result, step_result
 from autotune.report.analysis import load_report
@@ -84,6 +84,20 @@ def test_the_spend_says_what_was_not_training_and_the_median_trials_share() -> N
     assert spent.median_trial_outside_steps == pytest.approx(4.0)
 
 
+def test_the_median_split_takes_each_build_phase_over_the_trials_that_had_it() -> None:
+    """A graph helper is built only by graph configs: its median is theirs, not diluted by zeros."""
+    def split(build: float, *phases: tuple[str, float]) -> OutsideSteps:
+        return OutsideSteps(trial_start=0.1, rank_start=0.3, build=build, between_steps=0.2, after_steps=1.0,
+                            build_phases=tuple(BuildPhase(name, seconds) for name, seconds in phases))
+
+    median = OutsideSteps.median([split(4.0, ("model", 2.0), ("graph helper", 1.5)), split(2.0, ("model", 1.0)),
+                                  split(3.0, ("model", 3.0), ("graph helper", 0.5))])
+    assert median.parts() == {"trial_start": 0.1, "rank_start": 0.3, "build": 3.0, "between_steps": 0.2,
+                              "after_steps": 1.0}
+    assert median.build_phases == (BuildPhase("model", 2.0), BuildPhase("graph helper", 1.0))
+    assert OutsideSteps.model_validate_json(median.model_dump_json()) == median  # as spend.json holds it
+
+
 def test_an_earlier_format_file_reads_with_its_origins_and_causes_explicit() -> None:
     lines = [
         {"source": "warm_start:bring-up", "reason": "ran every step", "outcome": "ok"},
@@ -137,8 +151,11 @@ def test_a_trials_step_and_end_events_come_back_typed() -> None:
 
 
 def test_the_first_step_brings_when_the_trial_and_its_rank_started() -> None:
-    report = StepReport(RECORD, Evidence(), CONTRACT, startup=RankStartup(ready_at=1010.0, first_step_at=1012.5))
+    phases = (BuildPhase("model", 1.5), BuildPhase("optimizer", 0.5))
+    report = StepReport(RECORD, Evidence(), CONTRACT, startup=RankStartup(ready_at=1010.0, first_step_at=1012.5),
+                        build_phases=phases)
     event = read_result(step_result(report, "useful_tokens_per_s_per_gpu", world_size=2, trial_began_at=1009.0))
-    assert event.startup == TrialStartup(trial_began_at=1009.0, ranks_ready_at=1010.0, first_step_at=1012.5)
+    assert event.startup == TrialStartup(trial_began_at=1009.0, ranks_ready_at=1010.0, first_step_at=1012.5,
+                                         build_phases=phases)
     later = read_result(step_result(StepReport(RECORD, Evidence()), "useful_tokens_per_s_per_gpu", 2, 1009.0))
     assert later.startup is None

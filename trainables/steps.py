@@ -10,13 +10,16 @@ averaged over the ranks that compute one, and rank 0's reporter deciding whether
 from __future__ import annotations
 
 import resource
+import time
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 
-from autotune.core.contract import BurstRequest, Contract, Evidence, Outcome, Reporter, StepRecord, StepReport
+from autotune.core.contract import (
+    BuildPhase, BurstRequest, Contract, Evidence, Outcome, Reporter, StepRecord, StepReport,
+)
 from trainables.data.loader import MicroBatch
 from trainables.flops import step_flops
 
@@ -33,6 +36,25 @@ def run_steps(steps: int, train_step: Callable[[int], tuple[StepRecord, bool]], 
     return "ok"
 
 
+class BuildClock:
+    """Times a burst's set-up part by part (:class:`~autotune.core.contract.BuildPhase`), so a
+    trial's build seconds say where they went. On CUDA each part ends with a device synchronisation:
+    otherwise a part's queued kernels would be charged to the next one."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.phases: list[BuildPhase] = []
+        self._since = time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        """The part called ``name`` ends now (it began where the previous one ended)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.phases.append(BuildPhase(name, round(now - self._since, 4)))
+        self._since = now
+
+
 class RankRun(Protocol):
     """What :func:`finish_step` needs of a trainable's run on one rank."""
 
@@ -44,6 +66,11 @@ class RankRun(Protocol):
 
     @property
     def world_size(self) -> int: ...
+
+    @property
+    def build_phases(self) -> Sequence[BuildPhase]:
+        """The run's set-up, part by part (its :class:`BuildClock`'s), sent with the first step."""
+        ...
 
     def evidence(self) -> Evidence:
         """What the run has observed of its knobs so far."""
@@ -135,7 +162,9 @@ def finish_step(run: RankRun, step: int, local: LocalMeasures, reporter: Reporte
     )
     stop = False
     if reporter is not None:
-        report = StepReport(record, run.evidence(), run.contract() if step == 0 else None)
+        first = step == 0
+        report = StepReport(record, run.evidence(), run.contract() if first else None,
+                            build_phases=tuple(run.build_phases) if first else ())
         stop = not reporter(report) and run.rank == 0
     return record, _rank_zero_says(run, stop)
 

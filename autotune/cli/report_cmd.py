@@ -71,7 +71,10 @@ def print_summary(console: Console, loaded: RunReport) -> None:
                       f"{spent.median_trial_outside_steps:.1f} device-s for the median trial")
     if (parts := spent.median_outside_split) is not None:
         console.print("  medians: " + ", ".join(f"{part.replace('_', ' ')} {seconds:.1f} s"
-                                                for part, seconds in parts.model_dump().items()))
+                                                for part, seconds in parts.parts().items()))
+        if parts.build_phases:
+            console.print("  build, medians: " + ", ".join(f"{phase.name} {phase.seconds:.2f} s"
+                                                       for phase in parts.build_phases))
     for split in loaded.stage_splits[:3]:
         parts = ", ".join(f"{part.removesuffix('_seconds')} {100 * value / split.step_seconds:.0f}%"
                           for part, value in split.parts.items() if split.step_seconds)

@@ -325,6 +325,15 @@ class RankStartup:
 
 
 @dataclass(frozen=True)
+class BuildPhase:
+    """One named part of a burst's set-up before its first step (the parallel groups, the model, the
+    optimizer…) and its wall seconds on the reporting rank: what the build's seconds are spent on."""
+
+    name: str
+    seconds: float
+
+
+@dataclass(frozen=True)
 class StepReport:
     """What a burst tells its caller after each step, so a caller that stops it early (or loses
     it) already holds everything the finished burst would have returned."""
@@ -339,6 +348,8 @@ class StepReport:
     charges instead of its own clock; ``None`` for a burst that spends real time."""
     startup: RankStartup | None = None
     """With the first step's report only, from a rank that spends real time (not a replay)."""
+    build_phases: tuple[BuildPhase, ...] = ()
+    """With the first step's report only: the trainable's set-up, part by part, as it timed it."""
 
 
 Reporter = Callable[[StepReport], bool]

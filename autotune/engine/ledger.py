@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Callable
 
-from autotune.core.contract import Contract, Evidence, SteadyWindow
+from autotune.core.contract import BuildPhase, Contract, Evidence, SteadyWindow
 from autotune.core.steady import SteadyEstimate, steady_state
 from autotune.engine.faults import node_lost
 from autotune.engine.records import (
@@ -168,7 +168,9 @@ class Ledger:
             "between_steps": trial.last_step_at - startup.first_step_at - sum(trial.step_seconds),
             "after_steps": time.time() - trial.last_step_at,
         }
-        return OutsideSteps(**{part: round(value * self.world_size, 3) for part, value in seconds.items()})
+        return OutsideSteps(**{part: round(value * self.world_size, 3) for part, value in seconds.items()},
+                            build_phases=tuple(BuildPhase(phase.name, round(phase.seconds * self.world_size, 3))
+                                               for phase in startup.build_phases))
 
     def _outcome(self, trial: LiveTrial, errored: bool) -> tuple[EntryOutcome, Cause | None, str]:
         if trial.hung is not None:

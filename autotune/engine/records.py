@@ -18,7 +18,7 @@ from typing import Any, Iterable, Iterator, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationInfo, model_validator
 
-from autotune.core.contract import Contract, Evidence, StepRecord
+from autotune.core.contract import BuildPhase, Contract, Evidence, StepRecord
 from autotune.core.knobs import Config, ConfigField, complete_config
 from autotune.core.steady import SteadyEstimate
 from autotune.search.history import GateName, Origin
@@ -68,6 +68,25 @@ class OutsideSteps(BaseModel):
     timers: reporting to the tuner, and what a step's timer does not cover."""
     after_steps: float
     """The last step's report at the driver to the trial's end: the ranks' teardown, the result's way back."""
+    build_phases: tuple[BuildPhase, ...] = ()
+    """``build``, part by part, as the trainable timed its set-up on the reporting rank (device-seconds
+    like the rest); what they leave of ``build`` is the rank's way from ready into the trainable."""
+
+    def parts(self) -> dict[str, float]:
+        """The five parts, which add up to the trial's seconds outside its steps."""
+        return {part: getattr(self, part) for part in type(self).model_fields if part != "build_phases"}
+
+    @classmethod
+    def median(cls, splits: list[OutsideSteps]) -> OutsideSteps:
+        """Each part's median over ``splits``; each build phase's over the splits that have it (a
+        phase such as the CUDA-graph helper exists only in some configs), in the order first seen."""
+        phases: dict[str, list[float]] = {}
+        for split in splits:
+            for phase in split.build_phases:
+                phases.setdefault(phase.name, []).append(phase.seconds)
+        return cls(**{part: statistics.median(split.parts()[part] for split in splits) for part in splits[0].parts()},
+                   build_phases=tuple(BuildPhase(name, statistics.median(seconds)) for name, seconds in phases.items()))
+
 
 class TrialEntry(BaseModel):
     """One line of ``trials.jsonl``: a launched trial as it ended, or a proposal rejected before launch."""
@@ -200,9 +219,7 @@ def spend(entries: Iterable[TrialEntry]) -> Spend:
                  trials=launched, rejected_before_launch=rejected,
                  outside_steps=sum(outside) if outside else None,
                  median_trial_outside_steps=statistics.median(outside) if outside else None,
-                 median_outside_split=OutsideSteps(**{
-                     part: statistics.median(getattr(split, part) for split in splits) for part in OutsideSteps.model_fields
-                 }) if splits else None)
+                 median_outside_split=OutsideSteps.median(splits) if splits else None)
 
 
 def read_trial_entries(lines: Iterable[dict[str, Any]]) -> Iterator[TrialEntry]:

@@ -31,7 +31,7 @@ from ray import tune
 
 from autotune.bursts import data_folder
 from autotune.core.contract import (
-    BurstRequest, BurstResult, Contract, Evidence, Outcome, StepRecord, StepReport, WorkerPlacement,
+    BuildPhase, BurstRequest, BurstResult, Contract, Evidence, Outcome, StepRecord, StepReport, WorkerPlacement,
 )
 from autotune.core.fabric import FabricRefused, placed_environment, planned_environment
 from autotune.core.knobs import complete_config
@@ -130,6 +130,8 @@ class TrialStartup(BaseModel):
     trial_began_at: float
     ranks_ready_at: float
     first_step_at: float
+    build_phases: tuple[BuildPhase, ...] = ()
+    """The reporting rank's set-up between the two, part by part, as its trainable timed it."""
 
 
 class StepEvent(BaseModel):
@@ -169,7 +171,8 @@ def step_result(report: StepReport, objective: str, world_size: int, trial_began
     record = report.record
     value = objective_value(objective, record.tokens_per_second, record.model_flops, record.step_seconds, world_size)
     startup = None if report.startup is None or trial_began_at is None else TrialStartup(
-        trial_began_at=trial_began_at, ranks_ready_at=report.startup.ready_at, first_step_at=report.startup.first_step_at)
+        trial_began_at=trial_began_at, ranks_ready_at=report.startup.ready_at, first_step_at=report.startup.first_step_at,
+        build_phases=report.build_phases)
     event = StepEvent(objective=value, record=record, evidence=report.evidence, contract=report.contract,
                       elapsed_seconds=report.elapsed_seconds, startup=startup)
     return {"event": "step", "objective": value, "payload": event.model_dump_json(exclude_unset=True)}

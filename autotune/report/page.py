@@ -76,7 +76,9 @@ def _spend_table(report: RunReport) -> str:
                   f"{_number(outside / 3600, 4, 'outside_steps')}</tr>")
     if (parts := report.spend.median_outside_split) is not None:
         cells += "".join(f"<tr><td>outside steps, median trial (device-s)</td><td>{escape(part.replace('_', ' '))}</td>"
-                         f"{_number(seconds, 2, f'outside:{part}')}</tr>" for part, seconds in parts.model_dump().items())
+                         f"{_number(seconds, 2, f'outside:{part}')}</tr>" for part, seconds in parts.parts().items())
+        cells += "".join(f"<tr><td>build, median trial (device-s)</td><td>{escape(phase.name)}</td>"
+                         f"{_number(phase.seconds, 2, escape(f'build:{phase.name}'))}</tr>" for phase in parts.build_phases)
     return (f'<table id="spend"><tr><th>split</th><th></th><th>device-hours</th></tr>{cells}'
             f"<tr><td>total</td><td></td>{_number(hours.total, 4, 'total')}</tr></table>")
 

@@ -31,13 +31,13 @@ from typing import Any, Iterator
 import torch
 
 from autotune.core.contract import (
-    BurstRequest, BurstResult, Contract, DataProvenance, Evidence, Hardware, InvalidConfig, Reporter, Shapes,
+    BuildPhase, BurstRequest, BurstResult, Contract, DataProvenance, Evidence, Hardware, InvalidConfig, Reporter, Shapes,
     StepRecord,
 )
 from trainables.bridge.recipe import RecipeRefused, go_offline, prepare
 from trainables.graph_replays import CountedGraph, count_graphs_of
 from trainables.stage_clock import StageClock
-from trainables.steps import LocalMeasures, StepCounts, finish_step, peak_memory_bytes
+from trainables.steps import BuildClock, LocalMeasures, StepCounts, finish_step, peak_memory_bytes
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +112,8 @@ class BridgeRun:
     computes_loss: bool
     precision: str
     """The recipe's precision as it names it (a preset, before ``pretrain()`` resolves it)."""
+    build: BuildClock
+    """Times the set-up: ours before ``pretrain()``, then Bridge's own to its training loop."""
     clock: StageClock | None = None
     stopped: bool = False
     """The tuner said stop, and the callback ended Bridge's loop."""
@@ -124,6 +126,10 @@ class BridgeRun:
     """Every module of the model that can hold per-layer CUDA graphs (``cuda_graphs``)."""
     graphs: list[CountedGraph] = field(default_factory=list)
     """The TE graphs Bridge's loop captured, counting their replays."""
+
+    @property
+    def build_phases(self) -> list[BuildPhase]:
+        return self.build.phases
 
     def evidence(self) -> Evidence:
         """What the run showed of its knobs; each check fails when the knob is set and did nothing as
@@ -253,12 +259,13 @@ def _make_callback(run: BridgeRun, reporter: Reporter | None, records: list[Step
             run.model_config = getattr(_unwrapped(context.model[0]), "config", None)
             run.layers = [module for chunk in context.model for module in chunk.modules()
                           if hasattr(module, "cuda_graphs")]
+            run.build.mark("Bridge's set-up (pretrain: model, optimizer, data)")
 
         def on_train_step_start(self, context: Any) -> None:
             # Bridge's loop captures its TE graphs just before this callback: count them from here on.
             run.graphs.extend(count_graphs_of(run.layers))
             if not records:
-                torch.cuda.synchronize(run.device)
+                run.build.mark("Bridge's loop to its first step")
                 run.last_step_end = time.perf_counter()
 
         def on_train_step_end(self, context: Any) -> None:
@@ -327,6 +334,7 @@ def run_rank(request: BurstRequest, device: torch.device, reporter: Reporter | N
     records: list[StepRecord] = []
     run: BridgeRun | None = None
     try:
+        build = BuildClock(device)
         go_offline(request.recipe, Path(tempfile.mkdtemp(prefix="hf-offline-")) / "hub")
         os.environ.setdefault("LOCAL_RANK", str(device.index or 0))
         torch.cuda.set_device(device)
@@ -335,11 +343,14 @@ def run_rank(request: BurstRequest, device: torch.device, reporter: Reporter | N
         import megatron.core
         from megatron.bridge.training.pretrain import pretrain
 
+        build.mark("imports, device")
         recipe, trial = prepare(request, megatron.core.__version__)
+        build.mark("recipe: loaded, overridden, validated")
         counter = _StepCounter(image_token_id=getattr(recipe.model, "image_token_id", None))
         run = BridgeRun(request=request, device=device, rank=torch.distributed.get_rank(),
                         world_size=torch.distributed.get_world_size(), recipe=recipe, trial_overrides=trial,
-                        counter=counter, counts_data=False, computes_loss=False, precision=_precision(recipe))
+                        counter=counter, counts_data=False, computes_loss=False, precision=_precision(recipe),
+                        build=build)
         pretrain(recipe, _counting_forward_step(counter), callbacks=[_make_callback(run, reporter, records)])
         if run.stopped:
             return BurstResult(outcome="pruned", records=tuple(records), contract=run.contract(),

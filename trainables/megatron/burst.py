@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from autotune.core.contract import (
+    BuildPhase,
     BurstRequest,
     BurstResult,
     Contract,
@@ -36,7 +37,9 @@ from trainables.graph_replays import CountedGraph, count_graphs_of
 from trainables.measurement import measurement_contract
 from trainables.probe import transformer_engine_status
 from trainables.stage_clock import StageClock
-from trainables.steps import LocalMeasures, StepCounts, count_batches, finish_step, peak_memory_bytes, run_steps
+from trainables.steps import (
+    BuildClock, LocalMeasures, StepCounts, count_batches, finish_step, peak_memory_bytes, run_steps,
+)
 
 
 OOM_ERRORS = (torch.OutOfMemoryError,)
@@ -146,6 +149,7 @@ class MegatronRun:
     """Recompute nodes in the first step's autograd graph (before any CUDA graph hides them)."""
     fp8_observed: dict[str, Any] | None = None
     """What Transformer Engine's FP8 state was inside the first decoder layer on step 0."""
+    build_phases: tuple[BuildPhase, ...] = ()
 
     def evidence(self) -> Evidence:
         """What the run observed of its knobs, and per knob whether that matches the config."""
@@ -212,9 +216,9 @@ class MegatronRun:
         }
 
 
-def build_run(request: BurstRequest, device: torch.device) -> MegatronRun:
+def build_run(request: BurstRequest, device: torch.device, build: BuildClock) -> MegatronRun:
     """Parallel groups, model, data-parallel wrapper, optimizer and (for TE graphs) the graph
-    helper; a config megatron-core rejects raises :class:`InvalidConfig`."""
+    helper, each part timed on ``build``; a config megatron-core rejects raises :class:`InvalidConfig`."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -242,6 +246,7 @@ def build_run(request: BurstRequest, device: torch.device) -> MegatronRun:
             expert_model_parallel_size=config.expert_model_parallel_size,
             expert_tensor_parallel_size=config.expert_tensor_parallel_size,
         )
+    build.mark("parallel groups")
     # As Megatron-LM: with any CUDA graphs, TE's RNG tracker where TE is installed (its graphs
     # register only its own generators), megatron-core's graph-safe one otherwise.
     graphs = config.cuda_graph_impl != "none"
@@ -255,18 +260,22 @@ def build_run(request: BurstRequest, device: torch.device) -> MegatronRun:
             pre_process=parallel_state.is_pipeline_first_stage(),
             post_process=parallel_state.is_pipeline_last_stage(),
         )
+    build.mark("model")
     # As Megatron-LM's get_model and Float16Module: plain torch modules (the ViT's LayerNorms)
     # start on the CPU in fp32.
     vlm.cuda(device)
     if decoder_config.bf16:
         vlm.bfloat16()
     vlm.freeze(**freeze_arguments(config))
+    build.mark("to device")
     model = _wrap_data_parallel(vlm, decoder_config, ddp_config, config)
+    build.mark("data parallel")
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=1e-4, bf16=True, clip_grad=1.0,
                         use_distributed_optimizer=ddp_config.use_distributed_optimizer),
         [model],
     )
+    build.mark("optimizer")
     decoder_config.finalize_model_grads_func = finalize_model_grads
     decoder_config.grad_scale_func = optimizer.scale_loss
     if isinstance(model, DistributedDataParallel):
@@ -280,16 +289,18 @@ def build_run(request: BurstRequest, device: torch.device) -> MegatronRun:
                                        micro_batch_size=config.micro_batch_size, optimizers=[optimizer])
         te_graphs = TransformerEngineGraphs(helper, capture_step=decoder_config.cuda_graph_warmup_steps,
                                             overlap_param_gather=ddp_config.overlap_param_gather)
+        build.mark("graph helper")
     clock = None
     if vlm.pre_process:
         clock = StageClock({"vision": (vlm.vision_model, vlm.vision_model.patch_embed),
                             "projector": (vlm.vision_projection, vlm.vision_projection.encoder.linear_fc1)}, cuda=True)
     batches = rank_loader(request, parallel_state.get_data_parallel_rank(), dp)
+    build.mark("data loader")
     run = MegatronRun(
         request=request, device=device, rank=dist.get_rank(), world_size=dist.get_world_size(),
         model=model, vlm=vlm, optimizer=optimizer, clock=clock, batches=batches,
         num_microbatches=num_microbatches, layer_spec="transformer_engine" if use_te else "local",
-        kernels=kernels, te_graphs=te_graphs,
+        kernels=kernels, te_graphs=te_graphs, build_phases=tuple(build.phases),
     )
     if use_te:
         _observe_fp8_on_first_step(run)
@@ -348,6 +359,7 @@ def run_rank(request: BurstRequest, device: torch.device, reporter: Reporter | N
     """Run the burst on this rank; every rank returns a result, rank 0's carries the records."""
     if device.type != "cuda":
         return BurstResult(outcome="invalid", error="the megatron trainable trains only on CUDA devices")
+    build = BuildClock(device)
     te_problem = transformer_engine_status()[1]
     if te_problem is not None:
         # megatron-core imports TE where it is installed; a TE that cannot load breaks it there.
@@ -357,10 +369,11 @@ def run_rank(request: BurstRequest, device: torch.device, reporter: Reporter | N
         _train_on_the_capture_stream(device)
     if request.memory_cap_fraction:
         torch.cuda.set_per_process_memory_fraction(request.memory_cap_fraction, device)
+    build.mark("stack check, device")
     run: MegatronRun | None = None
     records: list[StepRecord] = []
     try:
-        run = build_run(request, device)
+        run = build_run(request, device, build)
         outcome = run_steps(request.steps, lambda step, run=run: _train_step(run, step, reporter), records)
         return BurstResult(outcome=outcome, records=tuple(records), contract=run.contract(), evidence=run.evidence())
     except InvalidConfig as exc:

@@ -22,6 +22,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from autotune.core.contract import (
+    BuildPhase,
     BurstRequest,
     BurstResult,
     Contract,
@@ -45,7 +46,7 @@ from trainables.native.parallelize import (
 )
 from trainables.native.recompute import Checkpointed, apply_recompute
 from trainables.stage_clock import StageClock
-from trainables.steps import LocalMeasures, count_batches, finish_step, peak_memory_bytes, run_steps
+from trainables.steps import BuildClock, LocalMeasures, count_batches, finish_step, peak_memory_bytes, run_steps
 
 OOM_ERRORS = (torch.OutOfMemoryError, MemoryError)
 CPU_ALLOCATION_FAILURE = "DefaultCPUAllocator: can't allocate memory"
@@ -72,6 +73,7 @@ class BurstRun:
     """Micro-batches this replica accumulates into each optimizer step."""
     memory: CountedDeviceMemory | None = None
     """The rank's counted device memory (a CPU burst with ``cpu_device_memory_bytes``)."""
+    build_phases: tuple[BuildPhase, ...] = ()
 
     def peak_memory_bytes(self) -> int:
         return self.memory.peak_bytes if self.memory is not None else peak_memory_bytes(self.device)
@@ -132,14 +134,18 @@ def build_run(request: BurstRequest, device: torch.device) -> BurstRun:
     if config.cuda_graph_impl != "none" and device.type != "cuda":
         raise InvalidConfig(f"cuda_graph_impl={config.cuda_graph_impl} needs a CUDA device; this rank runs on "
                             f"{device.type}")
+    clock = BuildClock(device)
     batches = rank_loader(request, rank, world)
+    clock.mark("data loader")
     torch.manual_seed(request.seed)  # identical initial weights on every rank
     model = MoEVLM(request.model)
     model.freeze(config.freeze_vision_model, config.freeze_vision_projection)
+    clock.mark("model")
     checkpoints = apply_recompute(model, config)
     groups = make_groups(config, world, rank)
     expert_params = apply_expert_parallel(model, groups)
     model.to(device)
+    clock.mark("parallel groups, to device")
 
     def probe_forward() -> None:  # only called when graphs are captured
         batch = next(batches).to(device)
@@ -148,15 +154,18 @@ def build_run(request: BurstRequest, device: torch.device) -> BurstRun:
 
     with _autocast(device):
         graphed = apply_cuda_graphs(model, config, probe_forward)
-    clock = StageClock({"vision": (model.vision, model.vision.patch_embed),
-                        "projector": (model.projector, model.projector.norm)}, device.type == "cuda")
+    if graphed:
+        clock.mark("cuda graphs")
+    stages = StageClock({"vision": (model.vision, model.vision.patch_embed),
+                         "projector": (model.projector, model.projector.norm)}, device.type == "cuda")
     wrapped = apply_data_parallel(model, config, groups, expert_params, device)
     optimizer = torch.optim.AdamW([p for p in wrapped.parameters() if p.requires_grad], lr=1e-4)
     memory = None
     if request.cpu_device_memory_bytes is not None and device.type == "cpu":
         memory = CountedDeviceMemory(request.cpu_device_memory_bytes, wrapped.parameters())
-    return BurstRun(request, device, rank, model, wrapped, groups, expert_params, checkpoints, graphed, clock,
-                    batches, optimizer, micro_batches, memory)
+    clock.mark("data parallel, optimizer")
+    return BurstRun(request, device, rank, model, wrapped, groups, expert_params, checkpoints, graphed, stages,
+                    batches, optimizer, micro_batches, memory, tuple(clock.phases))
 
 
 def run_rank(request: BurstRequest, device: torch.device, reporter: Reporter | None = None) -> BurstResult:
