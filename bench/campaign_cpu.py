@@ -42,7 +42,7 @@ def outside_steps(run_dir: Path, entries: list[TrialEntry], world_size: int) -> 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, default=Path("bench/results/campaign_cpu.json"))
-    parser.add_argument("--run-dir", type=Path, help="a finished campaign's run directory: read it, run nothing")
+    parser.add_argument("--run-dir", type=Path, help="a campaign's run directory: read it, run nothing")
     args = parser.parse_args()
     if args.run_dir is not None:
         probes = json.loads((args.run_dir / PROBE_FILE).read_text())
@@ -71,9 +71,8 @@ def main() -> None:
 
 
 def summarise(run_dir: Path, wall: float | None, machine: dict, command: str) -> dict:
-    """The figures of one finished campaign's run directory."""
-    spend = json.loads((run_dir / "spend.json").read_text())
-    run = load_report(run_dir)  # what `autotune report` reads: the verdict, bring-up, the gain
+    """The figures of one campaign's run directory: finished, or cut short (its trials so far)."""
+    run = load_report(run_dir)  # what `autotune report` reads: the verdict, bring-up, the gain, the spend
     outside = outside_steps(run_dir, run.entries, run.world_size)
     screened = [e for e in run.entries if e.stage == "screen"]
     bring_up, bring_up_long, winner, gain = run.bring_up, run.bring_up_promoted, run.winner, run.gain_over_bring_up()
@@ -86,7 +85,7 @@ def summarise(run_dir: Path, wall: float | None, machine: dict, command: str) ->
         "screening": {"launched": sum(e.launched for e in screened), "outcomes": Counter(e.outcome for e in screened)},
         "promoted": len([e for e in run.entries if e.stage == "promote"]),
         "verdict": run.board.verdict,
-        "spend": spend,
+        "spend": run.spend.model_dump(mode="json"),
         # every launched trial's device-seconds outside its training steps (start-up, build,
         # teardown), from steps.jsonl: the same figure for a run whose trials predate the spend's
         "outside_steps_per_trial": outside,
