@@ -39,6 +39,16 @@ def outside_steps(run_dir: Path, entries: list[TrialEntry], world_size: int) -> 
     return [entry.device_seconds - training[entry.trial_id] for entry in entries if entry.launched]
 
 
+def first_step_excess(run_dir: Path, world_size: int) -> list[float]:
+    """Each trial's first step less its median step, on each of its devices (as the ledger's
+    ``first_step_excess``, from ``steps.jsonl``: the same figure for runs recorded before it)."""
+    steps: dict[str, dict[int, float]] = defaultdict(dict)
+    for step in RunDir(run_dir).steps.read():
+        steps[step.trial_id][step.record.step] = step.record.step_seconds
+    return [(seconds[0] - statistics.median(seconds[step] for step in sorted(seconds)[1:])) * world_size
+            for seconds in steps.values() if 0 in seconds and len(seconds) > 1]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, default=Path("bench/results/campaign_cpu.json"))
@@ -62,9 +72,10 @@ def main() -> None:
     gain = report["gain_over_bring_up"]
     print((f"{report['wall_seconds']:.0f} s · " if report["wall_seconds"] is not None else "")
           + f"median trial {report['median_trial_outside_steps']:.1f} device-s outside its steps"
-          + (" (" + ", ".join(f"{part} {seconds:.1f}" for part, seconds in split.items() if part != "build_phases")
-             + "; build: " + ", ".join(f"{phase['name']} {phase['seconds']:.2f}" for phase in split["build_phases"]) + ")"
-             if (split := report["spend"].get("median_outside_split")) else "")
+          + (" (" + ", ".join(f"{part} {seconds:.1f}" for part, seconds in split.items() if not isinstance(seconds, list))
+             + "".join(f"; {what}: " + ", ".join(f"{part['name']} {part['seconds']:.2f}" for part in split[field])
+                       for what, field in (("build", "build_phases"), ("after steps", "after_steps_parts")) if split[field])
+             + ")" if (split := report["spend"].get("median_outside_split")) else "")
           + f" · screening {dict(report['screening']['outcomes'])} · {report['verdict']}"
           + (f" · winner over bring-up {gain['value']:+.1%} [{gain['low']:+.1%}, {gain['high']:+.1%}]"
              if gain is not None else ""))
@@ -74,6 +85,7 @@ def summarise(run_dir: Path, wall: float | None, machine: dict, command: str) ->
     """The figures of one campaign's run directory: finished, or cut short (its trials so far)."""
     run = load_report(run_dir)  # what `autotune report` reads: the verdict, bring-up, the gain, the spend
     outside = outside_steps(run_dir, run.entries, run.world_size)
+    warm_up = first_step_excess(run_dir, run.world_size)
     screened = [e for e in run.entries if e.stage == "screen"]
     bring_up, bring_up_long, winner, gain = run.bring_up, run.bring_up_promoted, run.winner, run.gain_over_bring_up()
     return {
@@ -92,6 +104,9 @@ def summarise(run_dir: Path, wall: float | None, machine: dict, command: str) ->
         "median_trial_outside_steps": statistics.median(outside) if outside else None,
         # where they went (Tune's trial start, the ranks' start, the build, between steps, after the last)
         "outside_split_per_trial": [e.outside_steps.model_dump() for e in run.entries if e.outside_steps is not None],
+        # the first step's time over the trial's median step: a new rank process's warm-up, inside the steps
+        "first_step_excess_per_trial": warm_up,
+        "median_first_step_excess": statistics.median(warm_up) if warm_up else None,
         # how each launched trial's ranks started: forked from the node's warm zygote, or cold
         "rank_start": Counter(e.contract.rank_start for e in run.entries if e.launched and e.contract is not None),
         # what each launched trial's ranks were given from the fabric under them (and started with)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from autotune.core.contract import (
-    BuildPhase, BurstRequest, Contract, DataSpec, Evidence, InvalidConfig, StepRecord, StepReport,
+    BurstRequest, Contract, DataSpec, Evidence, InvalidConfig, StepRecord, StepReport, TimedPart,
 )
 from autotune.core.knobs import complete_config
 from autotune.core.model import model_preset
@@ -264,6 +264,10 @@ def test_reporter_sees_every_step_and_prunes_the_burst(photo_shards: Path, world
     # burst instead of letting it return still holds both.
     assert seen[0].contract is not None and seen[0].contract.config == result.contract.config
     assert seen[1].contract is None and seen[1].evidence.checks == result.evidence.checks
+    # Ranks in processes time the burst's end, from the last verdict to their exit (one in-process rank does not)
+    assert [part.name for part in result.teardown] == ([] if world_size == 1 else [
+        "the trainable's end (its result, release)", "process group destroyed", "the ranks' exit"])
+    assert all(part.seconds >= 0 for part in result.teardown)
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
@@ -335,7 +339,7 @@ class OneRank:
     world_size: int = 1
     observed: Evidence = field(default_factory=lambda: Evidence(checks={"recompute_granularity": True},
                                                                  recompute_calls=3))
-    build_phases: tuple[BuildPhase, ...] = (BuildPhase("model", 0.5),)
+    build_phases: tuple[TimedPart, ...] = (TimedPart("model", 0.5),)
 
     def evidence(self) -> Evidence:
         return self.observed
@@ -359,7 +363,7 @@ def test_finish_step_on_one_rank_assembles_the_record_from_local_measures() -> N
     )
     assert not stop
     assert reports == [StepReport(record, OneRank().observed, Contract(trainable="test"),
-                                  build_phases=(BuildPhase("model", 0.5),))]  # the build, with the first step
+                                  build_phases=(TimedPart("model", 0.5),))]  # the build, with the first step
     # After step 0 no contract; the reporter's False stops; a rank without a loss reports 0.
     quiet = LocalMeasures(step_seconds=1.0, data_wait_seconds=0.0, vision_seconds=0.0, projector_seconds=0.0,
                           peak_memory_bytes=1)

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from autotune.core.contract import (
-    BuildPhase, BurstResult, Contract, DataProvenance, Evidence, Hardware, RankStartup, Shapes, StepRecord, StepReport, SteadyWindow,
+    BurstResult, Contract, DataProvenance, Evidence, Hardware, RankStartup, Shapes, StepRecord, StepReport, SteadyWindow,
+    TimedPart,
 )
 from autotune.core.knobs import complete_config
 from autotune.core.steady import steady_state
@@ -86,15 +87,18 @@ def test_the_spend_says_what_was_not_training_and_the_median_trials_share() -> N
 
 def test_the_median_split_takes_each_build_phase_over_the_trials_that_had_it() -> None:
     """A graph helper is built only by graph configs: its median is theirs, not diluted by zeros."""
-    def split(build: float, *phases: tuple[str, float]) -> OutsideSteps:
+    def split(build: float, *phases: tuple[str, float], exit_seconds: float | None = None) -> OutsideSteps:
         return OutsideSteps(trial_start=0.1, rank_start=0.3, build=build, between_steps=0.2, after_steps=1.0,
-                            build_phases=tuple(BuildPhase(name, seconds) for name, seconds in phases))
+                            build_phases=tuple(TimedPart(name, seconds) for name, seconds in phases),
+                            after_steps_parts=() if exit_seconds is None else (TimedPart("exit", exit_seconds),))
 
-    median = OutsideSteps.median([split(4.0, ("model", 2.0), ("graph helper", 1.5)), split(2.0, ("model", 1.0)),
-                                  split(3.0, ("model", 3.0), ("graph helper", 0.5))])
+    median = OutsideSteps.median([split(4.0, ("model", 2.0), ("graph helper", 1.5), exit_seconds=0.5),
+                                  split(2.0, ("model", 1.0)),  # a stopped trial: its end is not timed
+                                  split(3.0, ("model", 3.0), ("graph helper", 0.5), exit_seconds=0.7)])
     assert median.parts() == {"trial_start": 0.1, "rank_start": 0.3, "build": 3.0, "between_steps": 0.2,
                               "after_steps": 1.0}
-    assert median.build_phases == (BuildPhase("model", 2.0), BuildPhase("graph helper", 1.0))
+    assert median.build_phases == (TimedPart("model", 2.0), TimedPart("graph helper", 1.0))
+    assert median.after_steps_parts == (TimedPart("exit", 0.6),)
     assert OutsideSteps.model_validate_json(median.model_dump_json()) == median  # as spend.json holds it
 
 
@@ -151,7 +155,7 @@ def test_a_trials_step_and_end_events_come_back_typed() -> None:
 
 
 def test_the_first_step_brings_when_the_trial_and_its_rank_started() -> None:
-    phases = (BuildPhase("model", 1.5), BuildPhase("optimizer", 0.5))
+    phases = (TimedPart("model", 1.5), TimedPart("optimizer", 0.5))
     report = StepReport(RECORD, Evidence(), CONTRACT, startup=RankStartup(ready_at=1010.0, first_step_at=1012.5),
                         build_phases=phases)
     event = read_result(step_result(report, "useful_tokens_per_s_per_gpu", world_size=2, trial_began_at=1009.0))

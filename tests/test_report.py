@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from autotune.engine.rundir import RunDir
 from autotune.report.analysis import load_report
 from autotune.report.compare import compare
 from conftest import autotune, entries
@@ -55,6 +56,8 @@ def report_page(campaign_run, cache_env, tmp_path_factory) -> tuple[Path, Path]:
     assert result.returncode == 0, result.stderr[-3000:]
     assert "device-hours" in result.stdout and str(page) in result.stdout
     assert "outside training steps (start-up, build, teardown)" in result.stdout
+    assert "build, medians: data loader" in result.stdout and "after steps, medians: the trainable's end" in result.stdout
+    assert "the first step's warm-up" in result.stdout
     return run_dir, page
 
 
@@ -84,6 +87,7 @@ def test_the_page_shows_the_run_records(report_page) -> None:
         for key, seconds in spend[group].items():
             assert numbers.cells[(None, f"{group}:{key}")] == pytest.approx(seconds / 3600)
     assert numbers.cells[(None, "outside_steps")] == pytest.approx(spend["outside_steps"] / 3600)
+    assert numbers.cells[(None, "first_step_excess")] == pytest.approx(spend["median_first_step_excess"])
     assert numbers.external == [], "the page loads nothing from the network"
 
 
@@ -113,9 +117,28 @@ def test_what_a_trial_spent_outside_its_steps_is_its_time_less_its_recorded_step
         phases = {phase.name: phase.seconds for phase in entry.outside_steps.build_phases}
         assert {"data loader", "model", "parallel groups, to device", "data parallel, optimizer"} <= set(phases)
         assert 0 < sum(phases.values()) <= parts["build"] + 0.01 and phases["model"] > 0, (phases, parts)
+        # and the end of a burst that ran to it, part by part as the launcher and its rank 0 timed
+        # it (a stopped trial's end is not waited for: its next trial's start pays it)
+        ending = {part.name: part.seconds for part in entry.outside_steps.after_steps_parts}
+        if entry.outcome == "pruned":
+            assert not ending, ending
+        else:
+            assert list(ending) == ["the trainable's end (its result, release)", "process group destroyed",
+                                    "the ranks' exit"], (entry.outcome, ending)
+            assert 0 < sum(ending.values()) <= parts["after_steps"] + 0.01, (ending, parts)
+    # the first step's warm-up, inside the steps: step 0 against the trial's median step
+    for entry in launched:
+        steps = sorted((s for s in RunDir(run_dir).steps.read() if s.trial_id == entry.trial_id), key=lambda s: s.record.step)
+        if len(steps) > 1:
+            first, rest = steps[0].record.step_seconds, [s.record.step_seconds for s in steps[1:]]
+            assert entry.first_step_excess == pytest.approx((first - statistics.median(rest)) * world_size, abs=2e-3)
+    assert spend["median_first_step_excess"] == pytest.approx(
+        statistics.median(e.first_step_excess for e in launched if e.first_step_excess is not None))
     median = spend["median_outside_split"]
-    assert set(median) == {"trial_start", "rank_start", "build", "between_steps", "after_steps", "build_phases"}
+    assert set(median) == {"trial_start", "rank_start", "build", "between_steps", "after_steps", "build_phases",
+                           "after_steps_parts"}
     assert [phase["name"] for phase in median["build_phases"]][:2] == ["data loader", "model"]
+    assert median["after_steps_parts"][-1]["name"] == "the ranks' exit"
 
 
 def test_the_stage_split_is_the_steady_steps_mean(campaign_run) -> None:

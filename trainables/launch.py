@@ -22,7 +22,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping, TypeVar
 
-from autotune.core.contract import BurstRequest, BurstResult, RankStart, Reporter, StepReport
+from autotune.core.contract import BurstRequest, BurstResult, RankStart, Reporter, StepReport, TimedPart
 from autotune.core.registry import rank_runner, start_rank_zygote, trainable_support
 from trainables.zygote import Zygote, ZygoteChild
 
@@ -63,10 +63,14 @@ class _RelayedReporter:
 
     def __init__(self, relay: Connection) -> None:
         self.relay = relay
+        self.last_verdict_at: float | None = None
+        """When the last verdict came (``time.perf_counter()``): the burst's end starts there."""
 
     def __call__(self, report: StepReport) -> bool:
         self.relay.send(report)
-        return self.relay.recv()
+        verdict = self.relay.recv()
+        self.last_verdict_at = time.perf_counter()
+        return verdict
 
 
 _own_zygote: tuple[Zygote, subprocess.Popen] | None = None
@@ -102,8 +106,14 @@ def _rank_main(
         try:
             reporter = _RelayedReporter(relay) if relayed and rank == 0 else None
             result = rank_runner(trainable)(request, device, reporter)
+            returned_at = time.perf_counter()
         finally:
             dist.destroy_process_group()
+        if reporter is not None and reporter.last_verdict_at is not None:
+            result = replace(result, teardown=(
+                TimedPart("the trainable's end (its result, release)", round(returned_at - reporter.last_verdict_at, 4)),
+                TimedPart("process group destroyed", round(time.perf_counter() - returned_at, 4)),
+            ))
     except Exception:  # noqa: BLE001 - a rank that cannot start reports why instead of an exit code
         result = BurstResult(outcome="failed", error=f"rank {rank} could not start:\n{traceback.format_exc()}")
     Path(out_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
@@ -137,6 +147,7 @@ def run_local(request: BurstRequest, reporter: Reporter | None = None, trainable
         processes: list[ZygoteChild] = []
         relays: list[Connection] = []
         stragglers: set[int] = set()
+        last_verdict_at: float | None = None
         try:
             for rank in range(request.world_size):
                 ours, theirs = mp.Pipe()
@@ -147,7 +158,8 @@ def run_local(request: BurstRequest, reporter: Reporter | None = None, trainable
                         (trainable, rank, request.world_size, port, request, out_dir, reporter is not None), theirs,
                         request.environment,
                     ))
-            stragglers = _supervise(processes, relays[0], reporter, start, request.environment)
+            stragglers, last_verdict_at = _supervise(processes, relays[0], reporter, start, request.environment)
+            exited_at = time.perf_counter()
         finally:
             for process in processes:
                 process.kill()
@@ -163,7 +175,13 @@ def run_local(request: BurstRequest, reporter: Reporter | None = None, trainable
                 results.append(BurstResult(outcome="failed", error=_exit_reason(rank, process.exitcode)))
         if len(processes) < request.world_size:  # a rank could not be forked: its peers wait for it in vain
             results.append(BurstResult(outcome="failed", error=f"rank {len(processes)} could not be started"))
-    return _with_rank_start(merge_rank_results(results), start, request.environment)
+    merged = merge_rank_results(results)
+    if last_verdict_at is not None and merged.teardown:
+        # From here the last verdict left to the last rank's exit, less what rank 0 timed itself:
+        # the verdict's way, the result file, the process's end (on CUDA, its context's), the zygote's word.
+        exit_seconds = exited_at - last_verdict_at - sum(part.seconds for part in merged.teardown)
+        merged = replace(merged, teardown=(*merged.teardown, TimedPart("the ranks' exit", round(max(0.0, exit_seconds), 4))))
+    return _with_rank_start(merged, start, request.environment)
 
 
 def _with_rank_start(result: BurstResultOrReport, start: str, environment: Mapping[str, str]) -> BurstResultOrReport:
@@ -182,12 +200,14 @@ def _exit_reason(rank: int, exitcode: int | None) -> str:
 
 
 def _supervise(processes: list[ZygoteChild], relay: Connection, reporter: Reporter | None, start: str,
-               environment: Mapping[str, str]) -> set[int]:
+               environment: Mapping[str, str]) -> tuple[set[int], float | None]:
     """Relay rank 0's reports to ``reporter`` until every rank exits; kill ranks left stuck
-    after another one exited (they wait in a collective for a rank that is gone) and return them.
+    after another one exited (they wait in a collective for a rank that is gone). Returns them,
+    and when the last verdict was sent (``time.perf_counter()``; ``None``: no report came).
     It wakes on a report or an exit as it comes: the burst ends as soon as its last rank has."""
     first_exit: float | None = None
     stragglers: set[int] = set()
+    last_verdict_at: float | None = None
     while alive := [process for process in processes if process.is_alive()]:
         ready = wait([process.sentinel for process in alive] + ([relay] if reporter is not None else []), timeout=0.2)
         if reporter is not None and relay in ready:
@@ -197,6 +217,7 @@ def _supervise(processes: list[ZygoteChild], relay: Connection, reporter: Report
                 reporter = None
                 continue
             relay.send(bool(reporter(_with_rank_start(report, start, environment))))
+            last_verdict_at = time.perf_counter()
         if first_exit is None and any(not process.is_alive() for process in processes):
             first_exit = time.monotonic()
         if first_exit is not None and time.monotonic() - first_exit > STRAGGLER_GRACE_SECONDS:
@@ -204,7 +225,7 @@ def _supervise(processes: list[ZygoteChild], relay: Connection, reporter: Report
                 if process.is_alive():
                     process.kill()
                     stragglers.add(rank)
-    return stragglers
+    return stragglers, last_verdict_at
 
 
 def merge_rank_results(results: list[BurstResult]) -> BurstResult:

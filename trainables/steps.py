@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from autotune.core.contract import (
-    BuildPhase, BurstRequest, Contract, Evidence, Outcome, Reporter, StepRecord, StepReport,
+    BurstRequest, Contract, Evidence, Outcome, Reporter, StepRecord, StepReport, TimedPart,
 )
 from trainables.data.loader import MicroBatch
 from trainables.flops import step_flops
@@ -37,13 +37,13 @@ def run_steps(steps: int, train_step: Callable[[int], tuple[StepRecord, bool]], 
 
 
 class BuildClock:
-    """Times a burst's set-up part by part (:class:`~autotune.core.contract.BuildPhase`), so a
+    """Times a burst's set-up part by part (:class:`~autotune.core.contract.TimedPart`), so a
     trial's build seconds say where they went. On CUDA each part ends with a device synchronisation:
     otherwise a part's queued kernels would be charged to the next one."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.phases: list[BuildPhase] = []
+        self.phases: list[TimedPart] = []
         self._since = time.perf_counter()
 
     def mark(self, name: str) -> None:
@@ -51,7 +51,7 @@ class BuildClock:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         now = time.perf_counter()
-        self.phases.append(BuildPhase(name, round(now - self._since, 4)))
+        self.phases.append(TimedPart(name, round(now - self._since, 4)))
         self._since = now
 
 
@@ -68,7 +68,7 @@ class RankRun(Protocol):
     def world_size(self) -> int: ...
 
     @property
-    def build_phases(self) -> Sequence[BuildPhase]:
+    def build_phases(self) -> Sequence[TimedPart]:
         """The run's set-up, part by part (its :class:`BuildClock`'s), sent with the first step."""
         ...
 

@@ -72,9 +72,12 @@ def print_summary(console: Console, loaded: RunReport) -> None:
     if (parts := spent.median_outside_split) is not None:
         console.print("  medians: " + ", ".join(f"{part.replace('_', ' ')} {seconds:.1f} s"
                                                 for part, seconds in parts.parts().items()))
-        if parts.build_phases:
-            console.print("  build, medians: " + ", ".join(f"{phase.name} {phase.seconds:.2f} s"
-                                                       for phase in parts.build_phases))
+        for what, split in (("build", parts.build_phases), ("after steps", parts.after_steps_parts)):
+            if split:
+                console.print(f"  {what}, medians: " + ", ".join(f"{part.name} {part.seconds:.2f} s" for part in split))
+    if spent.median_first_step_excess is not None:
+        console.print(f"the first step's warm-up (its time over the trial's median step): "
+                      f"{spent.median_first_step_excess:.1f} device-s for the median trial, inside its steps")
     for split in loaded.stage_splits[:3]:
         parts = ", ".join(f"{part.removesuffix('_seconds')} {100 * value / split.step_seconds:.0f}%"
                           for part, value in split.parts.items() if split.step_seconds)

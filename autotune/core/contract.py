@@ -325,9 +325,10 @@ class RankStartup:
 
 
 @dataclass(frozen=True)
-class BuildPhase:
+class TimedPart:
     """One named part of a burst's set-up before its first step (the parallel groups, the model, the
-    optimizer…) and its wall seconds on the reporting rank: what the build's seconds are spent on."""
+    optimizer…) or of its end after the last (the trainable's release, the ranks' exit), and its
+    wall seconds: what the seconds outside the steps are spent on."""
 
     name: str
     seconds: float
@@ -348,7 +349,7 @@ class StepReport:
     charges instead of its own clock; ``None`` for a burst that spends real time."""
     startup: RankStartup | None = None
     """With the first step's report only, from a rank that spends real time (not a replay)."""
-    build_phases: tuple[BuildPhase, ...] = ()
+    build_phases: tuple[TimedPart, ...] = ()
     """With the first step's report only: the trainable's set-up, part by part, as it timed it."""
 
 
@@ -366,6 +367,8 @@ class BurstResult:
     evidence: Evidence = field(default_factory=Evidence)
     elapsed_seconds: float | None = None
     """A replayed burst's recorded seconds in all (see :attr:`StepReport.elapsed_seconds`)."""
+    teardown: tuple[TimedPart, ...] = ()
+    """From the last step's verdict to the ranks' exit, part by part (ranks a launcher forked)."""
 
 
 @dataclass(frozen=True)

@@ -10,13 +10,14 @@ watchdog (a trial it killed); Tune calls them all from one thread of the driver.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Callable
 
-from autotune.core.contract import BuildPhase, Contract, Evidence, SteadyWindow
+from autotune.core.contract import Contract, Evidence, SteadyWindow, TimedPart
 from autotune.core.steady import SteadyEstimate, steady_state
 from autotune.engine.faults import node_lost
 from autotune.engine.records import (
@@ -141,6 +142,8 @@ class Ledger:
             device_seconds=trial.charged_seconds() * self.world_size,
             training_device_seconds=sum(trial.step_seconds) * self.world_size,
             outside_steps=self._outside_steps(trial),
+            first_step_excess=round((trial.step_seconds[0] - statistics.median(trial.step_seconds[1:]))
+                                    * self.world_size, 3) if len(trial.step_seconds) > 1 else None,
             benchmark_only=self.benchmark_only,
             evidence=trial.evidence,
             contract=None if trial.contract is None else trial.contract.model_copy(update={
@@ -168,9 +171,13 @@ class Ledger:
             "between_steps": trial.last_step_at - startup.first_step_at - sum(trial.step_seconds),
             "after_steps": time.time() - trial.last_step_at,
         }
+
+        def device_seconds(parts: tuple[TimedPart, ...]) -> tuple[TimedPart, ...]:
+            return tuple(TimedPart(part.name, round(part.seconds * self.world_size, 3)) for part in parts)
+
         return OutsideSteps(**{part: round(value * self.world_size, 3) for part, value in seconds.items()},
-                            build_phases=tuple(BuildPhase(phase.name, round(phase.seconds * self.world_size, 3))
-                                               for phase in startup.build_phases))
+                            build_phases=device_seconds(startup.build_phases),
+                            after_steps_parts=device_seconds(trial.end.teardown if trial.end is not None else ()))
 
     def _outcome(self, trial: LiveTrial, errored: bool) -> tuple[EntryOutcome, Cause | None, str]:
         if trial.hung is not None:

@@ -18,7 +18,7 @@ from typing import Any, Iterable, Iterator, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationInfo, model_validator
 
-from autotune.core.contract import BuildPhase, Contract, Evidence, StepRecord
+from autotune.core.contract import Contract, Evidence, StepRecord, TimedPart
 from autotune.core.knobs import Config, ConfigField, complete_config
 from autotune.core.steady import SteadyEstimate
 from autotune.search.history import GateName, Origin
@@ -58,7 +58,9 @@ class OutsideSteps(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     trial_start: float
-    """Tune starting the trial to its function running (its actor, or a process kept from an earlier trial)."""
+    """Tune starting the trial to its function running (its actor, or a process kept from an earlier
+    trial: then also the wait for that process's stopped burst to end, which the stopped trial,
+    closed when Tune stopped it, does not show)."""
     rank_start: float
     """To the reporting rank ready: the ranks forked from a zygote or started, their process group up."""
     build: float
@@ -68,24 +70,34 @@ class OutsideSteps(BaseModel):
     timers: reporting to the tuner, and what a step's timer does not cover."""
     after_steps: float
     """The last step's report at the driver to the trial's end: the ranks' teardown, the result's way back."""
-    build_phases: tuple[BuildPhase, ...] = ()
+    build_phases: tuple[TimedPart, ...] = ()
     """``build``, part by part, as the trainable timed its set-up on the reporting rank (device-seconds
     like the rest); what they leave of ``build`` is the rank's way from ready into the trainable."""
+    after_steps_parts: tuple[TimedPart, ...] = ()
+    """``after_steps``, part by part, as the launcher and its rank 0 timed the burst's end (a trial
+    that ran to its end, not one stopped); what they leave is the trial's end reaching the driver."""
 
     def parts(self) -> dict[str, float]:
         """The five parts, which add up to the trial's seconds outside its steps."""
-        return {part: getattr(self, part) for part in type(self).model_fields if part != "build_phases"}
+        return {part: getattr(self, part) for part in type(self).model_fields if part not in _SPLITS_OF_PARTS}
 
     @classmethod
     def median(cls, splits: list[OutsideSteps]) -> OutsideSteps:
-        """Each part's median over ``splits``; each build phase's over the splits that have it (a
+        """Each part's median over ``splits``; each named sub-part's over the splits that have it (a
         phase such as the CUDA-graph helper exists only in some configs), in the order first seen."""
-        phases: dict[str, list[float]] = {}
-        for split in splits:
-            for phase in split.build_phases:
-                phases.setdefault(phase.name, []).append(phase.seconds)
         return cls(**{part: statistics.median(split.parts()[part] for split in splits) for part in splits[0].parts()},
-                   build_phases=tuple(BuildPhase(name, statistics.median(seconds)) for name, seconds in phases.items()))
+                   **{field: _median_parts(getattr(split, field) for split in splits) for field in _SPLITS_OF_PARTS})
+
+
+_SPLITS_OF_PARTS = ("build_phases", "after_steps_parts")
+
+
+def _median_parts(splits: Iterable[tuple[TimedPart, ...]]) -> tuple[TimedPart, ...]:
+    seconds: dict[str, list[float]] = {}
+    for split in splits:
+        for part in split:
+            seconds.setdefault(part.name, []).append(part.seconds)
+    return tuple(TimedPart(name, statistics.median(values)) for name, values in seconds.items())
 
 
 class TrialEntry(BaseModel):
@@ -131,6 +143,10 @@ class TrialEntry(BaseModel):
     outside_steps: OutsideSteps | None = None
     """Where the rest went, for a trial whose ranks reported a step and when they started; ``None``
     for a replay, a trial that ended before its first step, or runs recorded before it was kept."""
+    first_step_excess: float | None = None
+    """Device-seconds the first step took beyond the trial's median step: the warm-up a new rank
+    process pays inside its steps (kernels loaded on first use, library handles and plans, the
+    allocator's growth, the loader's first batch). ``None`` with fewer than two steps."""
     benchmark_only: bool = False
     evidence: Evidence = Evidence()
     contract: Contract | None = None
@@ -195,6 +211,8 @@ class Spend(BaseModel):
     """The median launched trial's device-seconds outside its training steps."""
     median_outside_split: OutsideSteps | None = None
     """Each part's median over the trials that recorded where their seconds outside steps went."""
+    median_first_step_excess: float | None = None
+    """The median launched trial's first-step warm-up (:attr:`TrialEntry.first_step_excess`)."""
 
 
 def spend(entries: Iterable[TrialEntry]) -> Spend:
@@ -204,6 +222,7 @@ def spend(entries: Iterable[TrialEntry]) -> Spend:
     rejected = 0
     outside: list[float] = []
     splits: list[OutsideSteps] = []
+    first_step: list[float] = []
     for entry in entries:
         by_stage[entry.stage] += entry.device_seconds
         by_outcome[entry.outcome] += entry.device_seconds
@@ -213,13 +232,16 @@ def spend(entries: Iterable[TrialEntry]) -> Spend:
                 outside.append(max(0.0, entry.device_seconds - entry.training_device_seconds))
             if entry.outside_steps is not None:
                 splits.append(entry.outside_steps)
+            if entry.first_step_excess is not None:
+                first_step.append(entry.first_step_excess)
         else:
             rejected += 1
     return Spend(total=sum(by_stage.values()), by_stage=dict(by_stage), by_outcome=dict(by_outcome),
                  trials=launched, rejected_before_launch=rejected,
                  outside_steps=sum(outside) if outside else None,
                  median_trial_outside_steps=statistics.median(outside) if outside else None,
-                 median_outside_split=OutsideSteps.median(splits) if splits else None)
+                 median_outside_split=OutsideSteps.median(splits) if splits else None,
+                 median_first_step_excess=statistics.median(first_step) if first_step else None)
 
 
 def read_trial_entries(lines: Iterable[dict[str, Any]]) -> Iterator[TrialEntry]:

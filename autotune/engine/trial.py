@@ -31,7 +31,7 @@ from ray import tune
 
 from autotune.bursts import data_folder
 from autotune.core.contract import (
-    BuildPhase, BurstRequest, BurstResult, Contract, Evidence, Outcome, StepRecord, StepReport, WorkerPlacement,
+    BurstRequest, BurstResult, Contract, Evidence, Outcome, StepRecord, StepReport, TimedPart, WorkerPlacement,
 )
 from autotune.core.fabric import FabricRefused, placed_environment, planned_environment
 from autotune.core.knobs import complete_config
@@ -130,7 +130,7 @@ class TrialStartup(BaseModel):
     trial_began_at: float
     ranks_ready_at: float
     first_step_at: float
-    build_phases: tuple[BuildPhase, ...] = ()
+    build_phases: tuple[TimedPart, ...] = ()
     """The reporting rank's set-up between the two, part by part, as its trainable timed it."""
 
 
@@ -161,6 +161,8 @@ class EndEvent(BaseModel):
     evidence: Evidence
     contract: Contract | None
     elapsed_seconds: float | None
+    teardown: tuple[TimedPart, ...] = ()
+    """From the last step's verdict to the ranks' exit, part by part (see :attr:`BurstResult.teardown`)."""
 
 
 def step_result(report: StepReport, objective: str, world_size: int, trial_began_at: float | None = None
@@ -180,7 +182,8 @@ def step_result(report: StepReport, objective: str, world_size: int, trial_began
 
 def end_result(result: BurstResult) -> dict[str, Any]:
     event = EndEvent(outcome=result.outcome, error=None if result.error is None else result.error[-4000:],
-                     evidence=result.evidence, contract=result.contract, elapsed_seconds=result.elapsed_seconds)
+                     evidence=result.evidence, contract=result.contract, elapsed_seconds=result.elapsed_seconds,
+                     teardown=result.teardown)
     return {"event": "end", "payload": event.model_dump_json(exclude_unset=True)}
 
 

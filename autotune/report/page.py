@@ -77,8 +77,13 @@ def _spend_table(report: RunReport) -> str:
     if (parts := report.spend.median_outside_split) is not None:
         cells += "".join(f"<tr><td>outside steps, median trial (device-s)</td><td>{escape(part.replace('_', ' '))}</td>"
                          f"{_number(seconds, 2, f'outside:{part}')}</tr>" for part, seconds in parts.parts().items())
-        cells += "".join(f"<tr><td>build, median trial (device-s)</td><td>{escape(phase.name)}</td>"
-                         f"{_number(phase.seconds, 2, escape(f'build:{phase.name}'))}</tr>" for phase in parts.build_phases)
+        cells += "".join(f"<tr><td>{what}, median trial (device-s)</td><td>{escape(part.name)}</td>"
+                         f"{_number(part.seconds, 2, escape(f'{what}:{part.name}'))}</tr>"
+                         for what, split in (("build", parts.build_phases), ("after steps", parts.after_steps_parts))
+                         for part in split)
+    if (warm_up := report.spend.median_first_step_excess) is not None:
+        cells += (f"<tr><td>the first step's warm-up, median trial (device-s)</td><td>over its median step</td>"
+                  f"{_number(warm_up, 2, 'first_step_excess')}</tr>")
     return (f'<table id="spend"><tr><th>split</th><th></th><th>device-hours</th></tr>{cells}'
             f"<tr><td>total</td><td></td>{_number(hours.total, 4, 'total')}</tr></table>")
 

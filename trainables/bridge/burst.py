@@ -31,8 +31,8 @@ from typing import Any, Iterator
 import torch
 
 from autotune.core.contract import (
-    BuildPhase, BurstRequest, BurstResult, Contract, DataProvenance, Evidence, Hardware, InvalidConfig, Reporter, Shapes,
-    StepRecord,
+    BurstRequest, BurstResult, Contract, DataProvenance, Evidence, Hardware, InvalidConfig, Reporter, Shapes,
+    StepRecord, TimedPart,
 )
 from trainables.bridge.recipe import RecipeRefused, go_offline, prepare
 from trainables.graph_replays import CountedGraph, count_graphs_of
@@ -128,7 +128,7 @@ class BridgeRun:
     """The TE graphs Bridge's loop captured, counting their replays."""
 
     @property
-    def build_phases(self) -> list[BuildPhase]:
+    def build_phases(self) -> list[TimedPart]:
         return self.build.phases
 
     def evidence(self) -> Evidence:

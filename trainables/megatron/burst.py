@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 
 from autotune.core.contract import (
-    BuildPhase,
     BurstRequest,
     BurstResult,
     Contract,
@@ -30,6 +29,7 @@ from autotune.core.contract import (
     Reporter,
     Shapes,
     StepRecord,
+    TimedPart,
 )
 from autotune.core.knobs import Config
 from trainables.data.loader import MicroBatch, rank_loader
@@ -149,7 +149,7 @@ class MegatronRun:
     """Recompute nodes in the first step's autograd graph (before any CUDA graph hides them)."""
     fp8_observed: dict[str, Any] | None = None
     """What Transformer Engine's FP8 state was inside the first decoder layer on step 0."""
-    build_phases: tuple[BuildPhase, ...] = ()
+    build_phases: tuple[TimedPart, ...] = ()
 
     def evidence(self) -> Evidence:
         """What the run observed of its knobs, and per knob whether that matches the config."""

@@ -22,7 +22,6 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from autotune.core.contract import (
-    BuildPhase,
     BurstRequest,
     BurstResult,
     Contract,
@@ -31,6 +30,7 @@ from autotune.core.contract import (
     Reporter,
     Shapes,
     StepRecord,
+    TimedPart,
 )
 from trainables.data.loader import MicroBatch, rank_loader
 from trainables.measurement import measurement_contract
@@ -73,7 +73,7 @@ class BurstRun:
     """Micro-batches this replica accumulates into each optimizer step."""
     memory: CountedDeviceMemory | None = None
     """The rank's counted device memory (a CPU burst with ``cpu_device_memory_bytes``)."""
-    build_phases: tuple[BuildPhase, ...] = ()
+    build_phases: tuple[TimedPart, ...] = ()
 
     def peak_memory_bytes(self) -> int:
         return self.memory.peak_bytes if self.memory is not None else peak_memory_bytes(self.device)
