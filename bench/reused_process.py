@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import os
 import platform
 import socket
 import statistics
@@ -31,6 +32,9 @@ from autotune.core.contract import BurstRequest, StepReport
 from autotune.core.registry import rank_runner
 from autotune.core.steady import steady_state
 from trainables.launch import device_for
+
+COMPILE_ENVIRONMENT = ("TORCHDYNAMO_DISABLE", "TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_FX_GRAPH_CACHE",
+                       "CUDA_MODULE_LOADING")
 
 
 def burst(trainable: str, request: BurstRequest, device: torch.device, label: str) -> dict:
@@ -103,6 +107,9 @@ def main() -> None:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "python": platform.python_version(),
                     "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"},
+        # what decides a first step's warm-up besides the process: megatron-core compiles its fused
+        # functions with torch.compile (TORCHDYNAMO_DISABLE=1 runs them eagerly, to see its share)
+        "environment": {name: os.environ.get(name) for name in COMPILE_ENVIRONMENT},
         "campaign": str(args.campaign),
         "trainable": trainable,
         "memory_allocated_baseline_bytes": baseline,
