@@ -60,6 +60,7 @@ def burst(trainable: str, request: BurstRequest, device: torch.device, label: st
         "outcome": result.outcome,
         "error": None if result.error is None else result.error[-1500:],
         "step_seconds": steps,
+        "data_wait_seconds": [record.data_wait_seconds for record in result.records],
         "first_step_seconds": steps[0] if steps else None,
         "median_step_seconds": statistics.median(steps[1:]) if len(steps) > 1 else None,
         "useful_tokens_per_s": None if rates is None else {"mean": rates.mean, "ci_low": rates.ci_low,
