@@ -248,7 +248,10 @@ def _end_ranks_left_on(gpus: frozenset[str], requester_pid: int, children: dict[
                         child.requester_pid, ",".join(sorted(child.gpus & gpus)), requester_pid)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            _, status = os.waitpid(pid, 0)  # its device memory is free once it has exited
+            try:
+                _, status = os.waitpid(pid, 0)  # its device memory is free once it has exited
+            except ChildProcessError:  # reaped already: it had ended by itself
+                status = signal.SIGKILL
             _report_exit(children, pid, status)
 
 
