@@ -15,7 +15,9 @@ answer ``torch.cuda.is_available()`` from NVML (which needs no CUDA context), an
 afterwards that no import initialised CUDA. A child takes the requesting process's environment,
 working directory and import path, so the GPUs Ray gave the trial (``CUDA_VISIBLE_DEVICES``) are
 the child's. A child dies with the process that asked for it and with the zygote; the zygote dies
-with the process that started it.
+with the process that started it. A child still on a GPU that another process now asks a rank for
+(Ray gave a stopped trial's GPU to the next trial before the stopped burst's rank had ended) is
+ended before the new one is forked: two ranks never share a GPU's memory.
 
 Protocol, one connection per child: the requester sends the child's end of its relay (one file
 descriptor) and then a pickled :class:`ForkRequest`; the zygote answers with the child's pid, and
