@@ -26,7 +26,7 @@ import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from autotune.engine.records import TrialEntry
+from autotune.engine.records import TrialEntry, first_step_excess
 from autotune.engine.rundir import PROBE_FILE, RunDir
 from autotune.report.analysis import load_report
 
@@ -39,14 +39,15 @@ def outside_steps(run_dir: Path, entries: list[TrialEntry], world_size: int) -> 
     return [entry.device_seconds - training[entry.trial_id] for entry in entries if entry.launched]
 
 
-def first_step_excess(run_dir: Path, world_size: int) -> list[float]:
-    """Each trial's first step less its median step, on each of its devices (as the ledger's
-    ``first_step_excess``, from ``steps.jsonl``: the same figure for runs recorded before it)."""
+def first_step_excesses(run_dir: Path, world_size: int) -> list[float]:
+    """Each trial's first-step warm-up (the ledger's ``first_step_excess``), from ``steps.jsonl``:
+    the same figure for runs recorded before the ledger kept it."""
     steps: dict[str, dict[int, float]] = defaultdict(dict)
     for step in RunDir(run_dir).steps.read():
         steps[step.trial_id][step.record.step] = step.record.step_seconds
-    return [(seconds[0] - statistics.median(seconds[step] for step in sorted(seconds)[1:])) * world_size
-            for seconds in steps.values() if 0 in seconds and len(seconds) > 1]
+    excesses = (first_step_excess([seconds[step] for step in sorted(seconds)], world_size)
+                for seconds in steps.values() if 0 in seconds)
+    return [excess for excess in excesses if excess is not None]
 
 
 def main() -> None:
@@ -85,7 +86,7 @@ def summarise(run_dir: Path, wall: float | None, machine: dict, command: str) ->
     """The figures of one campaign's run directory: finished, or cut short (its trials so far)."""
     run = load_report(run_dir)  # what `autotune report` reads: the verdict, bring-up, the gain, the spend
     outside = outside_steps(run_dir, run.entries, run.world_size)
-    warm_up = first_step_excess(run_dir, run.world_size)
+    warm_up = first_step_excesses(run_dir, run.world_size)
     screened = [e for e in run.entries if e.stage == "screen"]
     bring_up, bring_up_long, winner, gain = run.bring_up, run.bring_up_promoted, run.winner, run.gain_over_bring_up()
     return {

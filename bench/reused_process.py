@@ -20,7 +20,6 @@ import datetime
 import json
 import os
 import platform
-import socket
 import statistics
 from pathlib import Path
 
@@ -31,7 +30,7 @@ from autotune.campaign import load_campaign
 from autotune.core.contract import BurstRequest, StepReport
 from autotune.core.registry import rank_runner
 from autotune.core.steady import steady_state
-from trainables.launch import device_for
+from trainables.launch import device_for, free_port
 
 COMPILE_ENVIRONMENT = ("TORCHDYNAMO_DISABLE", "TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_FX_GRAPH_CACHE",
                        "CUDA_MODULE_LOADING")
@@ -87,10 +86,7 @@ def main() -> None:
     device = device_for(0)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
                             rank=0, world_size=1)
     trainable = campaign.spec.trainable
     baseline = torch.cuda.memory_allocated(device) if device.type == "cuda" else None

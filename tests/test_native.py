@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field, replace
@@ -23,7 +22,7 @@ from autotune.core.model import model_preset
 from trainables.data.loader import ImageSettings, PackedVLMDataset
 from trainables.flops import CONVENTION
 from trainables import zygote
-from trainables.launch import run_local
+from trainables.launch import free_port, run_local
 from trainables.native.burst import native_contract, run_rank
 from trainables.native.cuda_graphs import apply_cuda_graphs
 from trainables.native.model import MoEVLM
@@ -111,12 +110,6 @@ def test_frozen_vision_has_no_gradients_and_forward_only_flops(photo_shards: Pat
     assert 0 < frozen < trainable
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 EP_WORKER = r"""
 import pickle, sys, torch, torch.distributed as dist
 from datetime import timedelta
@@ -147,7 +140,7 @@ def test_expert_parallel_over_two_gloo_ranks_matches_one_rank(photo_shards: Path
         expected.append(forward(MoEVLM(SPEC), batch).loss.item())
     payload = tmp_path / "payload.pkl"
     payload.write_bytes(pickle.dumps((SPEC, batches)))
-    port = str(_free_port())
+    port = str(free_port())
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent), "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, "-c", EP_WORKER, str(r), port, str(payload)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env) for r in (0, 1)]
@@ -395,7 +388,7 @@ dist.destroy_process_group()
 
 
 def test_finish_step_reduces_over_ranks_and_stops_them_together() -> None:
-    port = str(_free_port())
+    port = str(free_port())
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent), "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, "-c", STEP_WORKER, str(r), port], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env) for r in (0, 1)]

@@ -39,7 +39,8 @@ STRAGGLER_GRACE_SECONDS = 10.0
 collective with it (after an OOM on one rank, say) and killed."""
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this machine now (for a process group's rendezvous)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -143,7 +144,7 @@ def run_local(request: BurstRequest, reporter: Reporter | None = None, trainable
     # process-global state, or a warm zygote: the ranks start in fresh processes.
     source, start = (warm, "warm") if warm is not None and warm.listening() else _this_process_zygote(trainable)
     with tempfile.TemporaryDirectory(prefix="burst-") as out_dir:
-        port = _free_port()
+        port = free_port()
         processes: list[ZygoteChild] = []
         relays: list[Connection] = []
         stragglers: set[int] = set()

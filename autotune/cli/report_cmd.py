@@ -72,7 +72,7 @@ def print_summary(console: Console, loaded: RunReport) -> None:
     if (parts := spent.median_outside_split) is not None:
         console.print("  medians: " + ", ".join(f"{part.replace('_', ' ')} {seconds:.1f} s"
                                                 for part, seconds in parts.parts().items()))
-        for what, split in (("build", parts.build_phases), ("after steps", parts.after_steps_parts)):
+        for what, split in parts.split_parts().items():
             if split:
                 console.print(f"  {what}, medians: " + ", ".join(f"{part.name} {part.seconds:.2f} s" for part in split))
     if spent.median_first_step_excess is not None:

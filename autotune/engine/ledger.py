@@ -10,7 +10,6 @@ watchdog (a trial it killed); Tune calls them all from one thread of the driver.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -21,7 +20,7 @@ from autotune.core.contract import Contract, Evidence, SteadyWindow, TimedPart
 from autotune.core.steady import SteadyEstimate, steady_state
 from autotune.engine.faults import node_lost
 from autotune.engine.records import (
-    Cause, EntryOutcome, Launch, OutsideSteps, Spend, Stage, StepEntry, TrialEntry, spend,
+    Cause, EntryOutcome, Launch, OutsideSteps, Spend, Stage, StepEntry, TrialEntry, first_step_excess, spend,
 )
 from autotune.engine.rundir import RunDir
 from autotune.engine.trial import EndEvent, StepEvent, TrialStartup, read_result
@@ -142,8 +141,7 @@ class Ledger:
             device_seconds=trial.charged_seconds() * self.world_size,
             training_device_seconds=sum(trial.step_seconds) * self.world_size,
             outside_steps=self._outside_steps(trial),
-            first_step_excess=round((trial.step_seconds[0] - statistics.median(trial.step_seconds[1:]))
-                                    * self.world_size, 3) if len(trial.step_seconds) > 1 else None,
+            first_step_excess=first_step_excess(trial.step_seconds, self.world_size),
             benchmark_only=self.benchmark_only,
             evidence=trial.evidence,
             contract=None if trial.contract is None else trial.contract.model_copy(update={

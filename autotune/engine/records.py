@@ -77,6 +77,10 @@ class OutsideSteps(BaseModel):
     """``after_steps``, part by part, as the launcher and its rank 0 timed the burst's end (a trial
     that ran to its end, not one stopped); what they leave is the trial's end reaching the driver."""
 
+    def split_parts(self) -> dict[str, tuple[TimedPart, ...]]:
+        """The parts timed part by part, by the part they split."""
+        return {"build": self.build_phases, "after steps": self.after_steps_parts}
+
     def parts(self) -> dict[str, float]:
         """The five parts, which add up to the trial's seconds outside its steps."""
         return {part: getattr(self, part) for part in type(self).model_fields if part not in _SPLITS_OF_PARTS}
@@ -98,6 +102,14 @@ def _median_parts(splits: Iterable[tuple[TimedPart, ...]]) -> tuple[TimedPart, .
         for part in split:
             seconds.setdefault(part.name, []).append(part.seconds)
     return tuple(TimedPart(name, statistics.median(values)) for name, values in seconds.items())
+
+
+def first_step_excess(step_seconds: list[float], world_size: int) -> float | None:
+    """The first step's seconds beyond the median of the others, on every device of the trial
+    (:attr:`TrialEntry.first_step_excess`); ``None`` with fewer than two steps."""
+    if len(step_seconds) < 2:
+        return None
+    return round((step_seconds[0] - statistics.median(step_seconds[1:])) * world_size, 3)
 
 
 class TrialEntry(BaseModel):

@@ -79,8 +79,7 @@ def _spend_table(report: RunReport) -> str:
                          f"{_number(seconds, 2, f'outside:{part}')}</tr>" for part, seconds in parts.parts().items())
         cells += "".join(f"<tr><td>{what}, median trial (device-s)</td><td>{escape(part.name)}</td>"
                          f"{_number(part.seconds, 2, escape(f'{what}:{part.name}'))}</tr>"
-                         for what, split in (("build", parts.build_phases), ("after steps", parts.after_steps_parts))
-                         for part in split)
+                         for what, split in parts.split_parts().items() for part in split)
     if (warm_up := report.spend.median_first_step_excess) is not None:
         cells += (f"<tr><td>the first step's warm-up, median trial (device-s)</td><td>over its median step</td>"
                   f"{_number(warm_up, 2, 'first_step_excess')}</tr>")

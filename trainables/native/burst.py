@@ -134,18 +134,18 @@ def build_run(request: BurstRequest, device: torch.device) -> BurstRun:
     if config.cuda_graph_impl != "none" and device.type != "cuda":
         raise InvalidConfig(f"cuda_graph_impl={config.cuda_graph_impl} needs a CUDA device; this rank runs on "
                             f"{device.type}")
-    clock = BuildClock(device)
+    build = BuildClock(device)
     batches = rank_loader(request, rank, world)
-    clock.mark("data loader")
+    build.mark("data loader")
     torch.manual_seed(request.seed)  # identical initial weights on every rank
     model = MoEVLM(request.model)
     model.freeze(config.freeze_vision_model, config.freeze_vision_projection)
-    clock.mark("model")
+    build.mark("model")
     checkpoints = apply_recompute(model, config)
     groups = make_groups(config, world, rank)
     expert_params = apply_expert_parallel(model, groups)
     model.to(device)
-    clock.mark("parallel groups, to device")
+    build.mark("parallel groups, to device")
 
     def probe_forward() -> None:  # only called when graphs are captured
         batch = next(batches).to(device)
@@ -155,17 +155,17 @@ def build_run(request: BurstRequest, device: torch.device) -> BurstRun:
     with _autocast(device):
         graphed = apply_cuda_graphs(model, config, probe_forward)
     if graphed:
-        clock.mark("cuda graphs")
-    stages = StageClock({"vision": (model.vision, model.vision.patch_embed),
-                         "projector": (model.projector, model.projector.norm)}, device.type == "cuda")
+        build.mark("cuda graphs")
+    clock = StageClock({"vision": (model.vision, model.vision.patch_embed),
+                        "projector": (model.projector, model.projector.norm)}, device.type == "cuda")
     wrapped = apply_data_parallel(model, config, groups, expert_params, device)
     optimizer = torch.optim.AdamW([p for p in wrapped.parameters() if p.requires_grad], lr=1e-4)
     memory = None
     if request.cpu_device_memory_bytes is not None and device.type == "cpu":
         memory = CountedDeviceMemory(request.cpu_device_memory_bytes, wrapped.parameters())
-    clock.mark("data parallel, optimizer")
-    return BurstRun(request, device, rank, model, wrapped, groups, expert_params, checkpoints, graphed, stages,
-                    batches, optimizer, micro_batches, memory, tuple(clock.phases))
+    build.mark("data parallel, optimizer")
+    return BurstRun(request, device, rank, model, wrapped, groups, expert_params, checkpoints, graphed, clock,
+                    batches, optimizer, micro_batches, memory, tuple(build.phases))
 
 
 def run_rank(request: BurstRequest, device: torch.device, reporter: Reporter | None = None) -> BurstResult:
