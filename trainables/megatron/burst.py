@@ -12,11 +12,13 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import random
 import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -250,6 +252,7 @@ def build_run(request: BurstRequest, device: torch.device, build: BuildClock) ->
     # As Megatron-LM: with any CUDA graphs, TE's RNG tracker where TE is installed (its graphs
     # register only its own generators), megatron-core's graph-safe one otherwise.
     graphs = config.cuda_graph_impl != "none"
+    _seed_every_generator(SEED)
     model_parallel_cuda_manual_seed(SEED, te_rng_tracker=graphs and use_te, use_cudagraphable_rng=graphs)
     # GBS / (MBS × DP) per step (one per pipeline stage where the workload declares no global batch).
     dp = parallel_state.get_data_parallel_world_size()
@@ -305,6 +308,17 @@ def build_run(request: BurstRequest, device: torch.device, build: BuildClock) ->
     if use_te:
         _observe_fp8_on_first_step(run)
     return run
+
+
+def _seed_every_generator(seed: int) -> None:
+    """Python's, NumPy's and torch's CPU generators, as Megatron-LM's ``_set_random_seed`` does
+    before megatron-core seeds CUDA's: the modules built on the CPU (the ViT's patch embedding and
+    norms) draw their initial weights there. Unseeded, a process's second burst of a config started
+    from other weights than its first (an H100, 2026-12-05: a loss of 1.327 against 1.331 at step 0,
+    ``bench/results/h100_startup_20261205/reused_process_eager.json``); a fresh process hid it."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
 
 def _observe_fp8_on_first_step(run: MegatronRun) -> None:
@@ -389,13 +403,20 @@ def run_rank(request: BurstRequest, device: torch.device, reporter: Reporter | N
             # A device-side assert poisons the CUDA context, and the release fails in turn; the
             # burst's own error is the one to report (its process is not reused).
             log.warning("releasing the burst's model and groups failed", exc_info=True)
-        del run
+        # The model, its data-parallel wrapper and the optimizer hold each other (gradient hooks,
+        # the config's sync functions): only the cycle collector frees them, and only once this
+        # frame no longer holds the run. Collected before, they stayed allocated (19.6 GiB after
+        # bring-up on an H100) and the next burst in the process ran out of memory at its build.
+        run = None
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 def _release(run: MegatronRun | None) -> None:
     """Free the model, graphs and parallel groups so nothing reaches the caller or a later burst."""
     from megatron.core import parallel_state
     from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
+    from megatron.core.rerun_state_machine import destroy_rerun_state_machine
     from megatron.core.transformer.cuda_graphs import _CudagraphGlobalRecord, delete_cuda_graphs
 
     if run is not None and run.te_graphs is not None:
@@ -403,9 +424,8 @@ def _release(run: MegatronRun | None) -> None:
     if _CudagraphGlobalRecord.cudagraph_created or _CudagraphGlobalRecord.cudagraph_record:
         delete_cuda_graphs()
     destroy_num_microbatches_calculator()
+    destroy_rerun_state_machine()  # the forward-backward function makes one on first use; it counts iterations
     parallel_state.destroy_model_parallel()
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 def _count_checkpoint_nodes(output: torch.Tensor) -> int:
