@@ -6,7 +6,8 @@ Each burst runs in a new Python process, as a Ray Tune trial's process starts it
 build the campaign's burst request, call the trainable's burst runner (two rank processes, each with
 its DataLoader worker), end. The ranks fork from a zygote the child starts for itself (a cold start),
 or with ``--warm`` from one this script started before the first burst and keeps, as a campaign
-keeps one per node across its trials (``autotune/engine/warm_ranks.py``). The child times, from the burst's call,
+keeps one per node across its trials (``autotune/engine/warm_ranks.py``); that zygote keeps each burst's
+healthy rank processes for the next burst (``rank_start: kept``). The child times, from the burst's call,
 the first step's end (as the trial's reporter sees it) and the burst's return; the parent times the
 whole process. ``outside_steps_s`` is that wall less the burst's summed step times:
 the start-up, build and teardown a trial pays on top of training, which issue 24 wants ≤ 2 s on the
@@ -110,6 +111,11 @@ def main() -> None:
         "data_realism": "real",
         "median_outside_steps_s": statistics.median(r["outside_steps_s"] for r in ok) if ok else None,
         "median_process_wall_s": statistics.median(r["process_wall_s"] for r in ok) if ok else None,
+        # With --warm, the first burst's ranks fork from the zygote (warm) and the later ones run in
+        # the rank processes it kept (kept): what each way of starting costs.
+        "median_outside_steps_s_by_rank_start": {
+            start: statistics.median(r["outside_steps_s"] for r in ok if r["rank_start"] == start)
+            for start in sorted({r["rank_start"] for r in ok})},
         "runs": runs,
     }
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -14,6 +14,9 @@ UNPICKLING_ALLOWED = {
     # each rank pickles its BurstResult into a private temporary directory the launcher created
     # and reads back; no user file is ever unpickled
     "trainables/launch.py",
+    # a kept rank process unpickles its next request, which its zygote sends over a socket pair
+    # only the two hold (the zygote got it from a requester on its socket in a private directory)
+    "trainables/zygote.py",
 }
 
 

@@ -1,5 +1,6 @@
-"""Warm rank processes: bursts whose ranks fork from a zygote that outlives them run as a cold
-start runs, and nothing one burst does reaches the next."""
+"""Warm rank processes: bursts whose ranks fork from a zygote that outlives them, or run in rank
+processes it kept from an earlier burst, run as a cold start runs, and nothing one burst does
+reaches the next."""
 
 from __future__ import annotations
 
@@ -47,16 +48,19 @@ def new_zygote(tmp_path: Path, name: str) -> str:
     return address
 
 
-def test_a_warm_burst_after_another_config_matches_a_burst_from_a_new_zygote(photo_shards: Path, warm: str,
-                                                                          tmp_path: Path) -> None:
+def test_a_burst_in_ranks_kept_from_another_config_matches_a_burst_from_a_new_zygote(photo_shards: Path, warm: str,
+                                                                                  tmp_path: Path) -> None:
+    """The issue's proof for a kept rank: the same config, after a different one ran in the same
+    processes, gives the same loss curve (same seed) and a throughput within noise of new processes."""
     other = run_local(burst(photo_shards, 3, micro_batch_size=4, recompute_granularity="full"), warm_ranks=warm)
     assert other.outcome == "ok", other.error
+    assert other.contract.rank_start == "warm"
     config = burst(photo_shards, 8, micro_batch_size=2, freeze_vision_model=True)
     after_other = run_local(config, warm_ranks=warm)
     from_new = run_local(config, warm_ranks=new_zygote(tmp_path, "fresh.sock"))
     for result in (after_other, from_new):
         assert result.outcome == "ok", result.error
-        assert result.contract.rank_start == "warm"
+    assert (after_other.contract.rank_start, from_new.contract.rank_start) == ("kept", "warm")
     # Same seed, same data, same arithmetic: the same loss at every step, bit for bit.
     assert [r.loss for r in after_other.records] == [r.loss for r in from_new.records]
     # And the same speed: each mean within the other's steady interval, widened for this busy box.
@@ -76,6 +80,53 @@ def test_an_oom_or_a_killed_rank_leaves_the_zygote_serving(photo_shards: Path, w
     assert killed.exitcode == -signal.SIGKILL
     after = run_local(burst(photo_shards, 2), warm_ranks=warm)
     assert after.outcome == "ok" and after.contract.rank_start == "warm", after.error
+
+
+def test_a_kept_rank_that_runs_out_of_memory_is_replaced(photo_shards: Path, warm: str) -> None:
+    first = run_local(burst(photo_shards, 2), warm_ranks=warm)
+    kept = _children_of_zygote(warm)
+    assert len(kept) == 2  # both ranks, idle
+    out_of_memory = run_local(replace(burst(photo_shards, 2, micro_batch_size=4), cpu_device_memory_bytes=2**20),
+                              warm_ranks=warm)
+    left = _children_of_zygote(warm)
+    after = run_local(burst(photo_shards, 2), warm_ranks=warm)
+    assert (first.outcome, out_of_memory.outcome, after.outcome) == ("ok", "oom", "ok"), (out_of_memory.error, after.error)
+    assert left == set()  # the kept ranks ran it (no rank was forked for it) and exited after
+    assert (first.contract.rank_start, after.contract.rank_start) == ("warm", "warm")
+    assert not _children_of_zygote(warm) & kept
+
+
+def test_a_kept_child_runs_the_next_request_of_its_key_on_its_gpus_and_no_other(warm: str) -> None:
+    """Kept after a healthy run, for the same key and GPUs; a run that is not healthy ends it; an
+    idle kept child on GPUs asked for under another key is ended (it holds their CUDA context)."""
+    def run(key: str | None, gpus: str = "", healthy: bool = True, slot: int = 0) -> tuple[int, bool]:
+        ours, theirs = Pipe()
+        with theirs:
+            child = Zygote(warm).fork("test_zygote:send_pid", (healthy,), theirs, {"CUDA_VISIBLE_DEVICES": gpus},
+                                      keep_as=key, slot=slot)
+        assert ours.recv() == child.pid
+        child.join(timeout=30)
+        assert child.exitcode == 0
+        return child.pid, child.kept
+
+    first, kept = run("a")
+    assert not kept and _running(first)
+    assert run("a") == (first, True)
+    assert run("a", healthy=False) == (first, True)
+    _wait_until_gone(first)  # not healthy: it exited
+    second, kept = run("a")
+    assert second != first and not kept
+    on_gpu, _ = run("a", gpus="1")
+    assert on_gpu != second and _running(second) and _running(on_gpu)  # one idle child per key and GPU set
+    assert run("a", gpus="1") == (on_gpu, True)
+    other_key, kept = run("b", gpus="1")
+    assert not kept and other_key != on_gpu
+    assert not _running(on_gpu)  # ended before the new child was forked for its GPU
+    # A burst of two ranks on GPUs 2 and 3: its next burst finds both ranks kept.
+    ranks = [run("a", gpus="2,3", slot=slot)[0] for slot in (0, 1)]
+    assert [run("a", gpus="2,3", slot=slot) for slot in (0, 1)] == [(pid, True) for pid in ranks]
+    _, kept = run(None)
+    assert not kept
 
 
 def test_ranks_train_only_with_the_environment_planned_for_them(photo_shards: Path, warm: str) -> None:
@@ -105,16 +156,18 @@ def test_a_zygote_that_is_gone_means_a_cold_start_not_a_failure(photo_shards: Pa
     assert result.contract.rank_start == "cold"  # from a zygote this process started for it
 
 
-def test_ranks_die_with_the_process_that_asked_for_them(warm: str) -> None:
+@pytest.mark.parametrize("keep_as", [None, "kept"])
+def test_ranks_die_with_the_process_that_asked_for_them(warm: str, keep_as: str | None) -> None:
     """A trial killed by the scheduler (or a driver killed with SIGKILL) leaves no rank behind,
-    although the ranks are the zygote's children, not the trial's."""
+    although the ranks are the zygote's children, not the trial's; a rank the zygote would keep
+    after its run too."""
     asker = subprocess.Popen(
         [sys.executable, "-c", (
             "import sys, time\n"
             "from multiprocessing import Pipe\n"
             "from trainables.zygote import Zygote\n"
             "ours, theirs = Pipe()\n"
-            f"child = Zygote({warm!r}).fork('test_zygote:wait_forever', (), theirs)\n"
+            f"child = Zygote({warm!r}).fork('test_zygote:wait_forever', (), theirs, keep_as={keep_as!r})\n"
             "print(child.pid, flush=True)\n"
             "time.sleep(600)\n")],
         stdout=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"},
@@ -175,6 +228,32 @@ def kill_self(relay) -> None:
 
 def wait_forever(relay) -> None:
     time.sleep(600)
+
+
+def send_pid(relay, healthy: bool):
+    """A target that a kept child runs: its check passes or fails (see ``trainables.launch._rank_main``)."""
+    relay.send(os.getpid())
+    return lambda: healthy
+
+
+def _children_of_zygote(address: str) -> set[int]:
+    """The live children of the zygote listening at ``address`` (found by its command line)."""
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if address.encode() in cmdline.read_bytes().split(b"\0"):
+                pid = cmdline.parent.name
+                children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+                return {int(child) for child in children if _running(int(child))}
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    raise AssertionError(f"no zygote at {address}")
+
+
+def _wait_until_gone(pid: int) -> None:
+    deadline = time.monotonic() + 10
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _running(pid)
 
 
 def _running(pid: int) -> bool:

@@ -2,12 +2,16 @@
 processes over gloo (CPU) or NCCL (one GPU each) otherwise. Rank processes fork from a zygote
 (:mod:`trainables.zygote`) that has already imported torch and the trainables, so a burst does not
 pay those imports (seconds per rank): the node's, which a campaign keeps warm across its trials, or
-one this process starts on its first burst and keeps. The launching process itself (a trial's) does
+one this process starts on its first burst and keeps. A campaign's zygote keeps a burst's healthy rank
+processes for its next burst of the same trainable (kept ranks, :func:`_rank_main` says which are
+healthy) unless the trainable needs fresh processes. The launching process itself (a trial's) does
 not import torch at all unless it runs the rank in-process. A Ray Train worker group starts ranks
 instead and calls the same rank runner (:func:`trainables.rank_runner`)."""
 
 from __future__ import annotations
 
+import functools
+import logging
 import multiprocessing as mp
 import os
 import pickle
@@ -20,9 +24,10 @@ from dataclasses import replace
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping, TypeVar
+from typing import TYPE_CHECKING, Callable, Mapping, TypeVar
 
 from autotune.core.contract import BurstRequest, BurstResult, RankStart, Reporter, StepReport, TimedPart
+from autotune.core.errors import AutotuneError
 from autotune.core.registry import rank_runner, start_rank_zygote, trainable_support
 from trainables.zygote import Zygote, ZygoteChild
 
@@ -34,6 +39,7 @@ if TYPE_CHECKING:
 BurstResultOrReport = TypeVar("BurstResultOrReport", BurstResult, StepReport)
 
 RANK_TIMEOUT = timedelta(minutes=5)
+log = logging.getLogger(__name__)
 STRAGGLER_GRACE_SECONDS = 10.0
 """Once one rank has exited, how long the others may take before they are presumed stuck in a
 collective with it (after an OOM on one rank, say) and killed."""
@@ -88,18 +94,38 @@ def _this_process_zygote(trainable: str) -> tuple[Zygote, RankStart]:
     return _own_zygote[0], "cold"
 
 
+KEPT_OUTCOMES = ("ok", "pruned", "invalid")
+"""A rank process whose burst ended so may run the next one (a kept rank, :mod:`trainables.zygote`);
+one that ran out of memory, failed or was killed is replaced: its CUDA context may be poisoned
+(a device-side assert), its allocator fragmented."""
+KEPT_ALLOCATED_SLACK_BYTES = 64 * 2**20
+"""How much more device memory than at its first burst's start a kept rank may hold once a burst's
+objects are collected: workspaces a library keeps per stream for the process's life (TE's cuBLAS
+workspace is 32 MiB); a model, its gradients or optimizer states left behind are gigabytes."""
+_allocated_at_first_start: int | None = None
+
+
 def _rank_main(
     relay: Connection, trainable: str, rank: int, world_size: int, port: int, request: BurstRequest, out_dir: str,
     relayed: bool,
-) -> None:
+) -> Callable[[], bool] | None:
+    """One rank of a burst in this process; its result goes to ``out_dir``. Returns the check that
+    says whether the process may run another burst (a kept rank), which its zygote runs once the
+    launcher has the result, or ``None`` where it may not: the burst did not end ok, pruned or
+    invalid."""
+    global _allocated_at_first_start
     import torch
     import torch.distributed as dist
 
+    result = BurstResult(outcome="failed")
+    device = torch.device("cpu")
     try:
         torch.set_num_threads(cpu_threads_per_rank(world_size))
         device = device_for(rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
+            if _allocated_at_first_start is None:
+                _allocated_at_first_start = torch.cuda.memory_allocated(device)
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(
             backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=RANK_TIMEOUT
@@ -118,6 +144,27 @@ def _rank_main(
     except Exception:  # noqa: BLE001 - a rank that cannot start reports why instead of an exit code
         result = BurstResult(outcome="failed", error=f"rank {rank} could not start:\n{traceback.format_exc()}")
     Path(out_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
+    return functools.partial(_clean_after_burst, rank, device) if result.outcome in KEPT_OUTCOMES else None
+
+
+def _clean_after_burst(rank: int, device: torch.device) -> bool:
+    """Collect what the burst left (its model and optimizer hold each other: only the cycle
+    collector frees them) and, on CUDA, whether the device memory allocated is back where it was."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    gc.freeze()  # what is left lives on (modules the burst imported): the next collection skips it
+    if device.type != "cuda":
+        return True
+    torch.cuda.empty_cache()
+    left = torch.cuda.memory_allocated(device) - (_allocated_at_first_start or 0)
+    if left > KEPT_ALLOCATED_SLACK_BYTES:
+        log.warning("rank %d left %.0f MiB of device memory allocated after its burst: its process is replaced",
+                    rank, left / 2**20)
+        return False
+    return True
 
 
 def run_local(request: BurstRequest, reporter: Reporter | None = None, trainable: str = "native",
@@ -143,6 +190,9 @@ def run_local(request: BurstRequest, reporter: Reporter | None = None, trainable
     # caller's heap may hold freed memory the burst would reuse uncounted), a trainable with
     # process-global state, or a warm zygote: the ranks start in fresh processes.
     source, start = (warm, "warm") if warm is not None and warm.listening() else _this_process_zygote(trainable)
+    # A campaign's zygote keeps healthy ranks for its next bursts, unless the trainable keeps
+    # process-global state or a CPU memory cap would count what the last burst left in the heap.
+    keep = source is warm and request.cpu_memory_cap_bytes is None and _may_keep_ranks_of(trainable)
     with tempfile.TemporaryDirectory(prefix="burst-") as out_dir:
         port = free_port()
         processes: list[ZygoteChild] = []
@@ -157,8 +207,10 @@ def run_local(request: BurstRequest, reporter: Reporter | None = None, trainable
                     processes.append(source.fork(
                         "trainables.launch:_rank_main",
                         (trainable, rank, request.world_size, port, request, out_dir, reporter is not None), theirs,
-                        request.environment,
+                        request.environment, keep_as=_kept_rank_key(trainable, request) if keep else None, slot=rank,
                     ))
+            if processes and all(process.kept for process in processes):
+                start = "kept"
             stragglers, last_verdict_at = _supervise(processes, relays[0], reporter, start, request.environment)
             exited_at = time.perf_counter()
         finally:
@@ -183,6 +235,21 @@ def run_local(request: BurstRequest, reporter: Reporter | None = None, trainable
         exit_seconds = exited_at - last_verdict_at - sum(part.seconds for part in merged.teardown)
         merged = replace(merged, teardown=(*merged.teardown, TimedPart("the ranks' exit", round(max(0.0, exit_seconds), 4))))
     return _with_rank_start(merged, start, request.environment)
+
+
+def _may_keep_ranks_of(trainable: str) -> bool:
+    """Whether the trainable's bursts may run in kept rank processes; an unknown trainable's ranks
+    report it themselves (``could not start``)."""
+    try:
+        return not trainable_support(trainable).fresh_process
+    except AutotuneError:
+        return False
+
+
+def _kept_rank_key(trainable: str, request: BurstRequest) -> str:
+    """What a kept rank process must share with the next burst it runs (the zygote adds its rank,
+    hence its device, and the GPUs): the trainable it imported and the environment it was started with."""
+    return f"{trainable} {sorted(request.environment.items())}"
 
 
 def _with_rank_start(result: BurstResultOrReport, start: str, environment: Mapping[str, str]) -> BurstResultOrReport:

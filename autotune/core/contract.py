@@ -303,10 +303,12 @@ class Contract(_Record):
     environment: dict[str, str] | None = None
     """What the ranks' environment was given from the fabric under them (CUDA connections, HybridEP's
     ranks per NVLink domain, MNNVL)."""
-    rank_start: Literal["in_process", "cold", "warm"] | None = None
+    rank_start: Literal["in_process", "cold", "warm", "kept"] | None = None
     """How the burst's ranks started: in the trial's own process, or forked from a zygote that held
     torch and the trainables' imports, one that was started for this burst (``cold``) or one already
-    running (``warm``: a campaign's, kept on each node across its trials). Start-up costs differ.
+    running (``warm``: a campaign's, kept on each node across its trials), or in rank processes
+    that had run an earlier burst and were kept by the campaign's zygote (``kept``: their CUDA
+    context, compiled kernels and caches warm). Start-up costs differ.
     A replay's is the recorded start-up it charged."""
     steady_window: SteadyWindow | None = None
 
