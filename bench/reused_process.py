@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import gc
 import json
 import os
 import platform
@@ -30,7 +31,7 @@ from autotune.campaign import load_campaign
 from autotune.core.contract import BurstRequest, StepReport
 from autotune.core.registry import rank_runner
 from autotune.core.steady import steady_state
-from trainables.launch import device_for, free_port
+from trainables.launch import KEPT_ALLOCATED_SLACK_BYTES, device_for, free_port
 
 COMPILE_ENVIRONMENT = ("TORCHDYNAMO_DISABLE", "TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_FX_GRAPH_CACHE",
                        "CUDA_MODULE_LOADING")
@@ -48,6 +49,9 @@ def burst(trainable: str, request: BurstRequest, device: torch.device, label: st
     result = rank_runner(trainable)(request, device, reporter)
     steps = [record.step_seconds for record in result.records]
     rates = steady_state([record.tokens_per_second for record in result.records], min_warmup=2)
+    gc.collect()  # as a kept rank's check does before it measures (trainables.launch)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     left = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
     print(f"{label}: {result.outcome}, first step {steps[0] if steps else float('nan'):.2f} s, "
           f"median {statistics.median(steps[1:]) if len(steps) > 1 else float('nan'):.2f} s"
@@ -117,11 +121,15 @@ def main() -> None:
         "same_losses": first["losses"] == again["losses"],
         # GPU kernels that accumulate with atomics differ from run to run even in new processes
         "largest_loss_difference": max((abs(x - y) for x, y in zip(first["losses"], again["losses"])), default=None),
+        # what a kept rank's check asks after each burst (trainables.launch): the memory back at its start
+        "memory_back_after_each_burst": None if baseline is None else [
+            run["memory_allocated_after_bytes"] - baseline <= KEPT_ALLOCATED_SLACK_BYTES for run in runs],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"first step: {first['first_step_seconds']} s first in the process, {again['first_step_seconds']} s again "
-          f"after B; the same losses: {report['same_losses']} → {args.out}")
+          f"after B; the same losses: {report['same_losses']} (largest difference {report['largest_loss_difference']}); "
+          f"device memory back after each burst: {report['memory_back_after_each_burst']} → {args.out}")
 
 
 if __name__ == "__main__":
