@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import gc
 import json
 import os
 import platform
@@ -31,7 +30,7 @@ from autotune.campaign import load_campaign
 from autotune.core.contract import BurstRequest, StepReport
 from autotune.core.registry import rank_runner
 from autotune.core.steady import steady_state
-from trainables.launch import KEPT_ALLOCATED_SLACK_BYTES, device_for, free_port
+from trainables.launch import KEPT_ALLOCATED_SLACK_BYTES, allocated_after_burst, device_for, free_port
 
 COMPILE_ENVIRONMENT = ("TORCHDYNAMO_DISABLE", "TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_FX_GRAPH_CACHE",
                        "CUDA_MODULE_LOADING")
@@ -49,10 +48,7 @@ def burst(trainable: str, request: BurstRequest, device: torch.device, label: st
     result = rank_runner(trainable)(request, device, reporter)
     steps = [record.step_seconds for record in result.records]
     rates = steady_state([record.tokens_per_second for record in result.records], min_warmup=2)
-    gc.collect()  # as a kept rank's check does before it measures (trainables.launch)
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    left = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+    left = allocated_after_burst(device)  # what a kept rank's check measures
     print(f"{label}: {result.outcome}, first step {steps[0] if steps else float('nan'):.2f} s, "
           f"median {statistics.median(steps[1:]) if len(steps) > 1 else float('nan'):.2f} s"
           + (f", {rates.mean:,.0f} useful tokens/s" if rates is not None else "")

@@ -117,8 +117,6 @@ def _rank_main(
     import torch
     import torch.distributed as dist
 
-    result = BurstResult(outcome="failed")
-    device = torch.device("cpu")
     try:
         torch.set_num_threads(cpu_threads_per_rank(world_size))
         device = device_for(rank)
@@ -148,8 +146,22 @@ def _rank_main(
 
 
 def _clean_after_burst(rank: int, device: torch.device) -> bool:
-    """Collect what the burst left (its model and optimizer hold each other: only the cycle
-    collector frees them) and, on CUDA, whether the device memory allocated is back where it was."""
+    """Whether the process is clean after its burst: on CUDA, the device memory allocated back
+    where it was before its first burst."""
+    left = allocated_after_burst(device)
+    if left is None:
+        return True
+    left -= _allocated_at_first_start or 0
+    if left > KEPT_ALLOCATED_SLACK_BYTES:
+        log.warning("rank %d left %.0f MiB of device memory allocated after its burst: its process is replaced",
+                    rank, left / 2**20)
+        return False
+    return True
+
+
+def allocated_after_burst(device: torch.device) -> int | None:
+    """Collect what a burst left in this process (its model and optimizer hold each other: only the
+    cycle collector frees them), then the device memory still allocated (``None`` off CUDA)."""
     import gc
 
     import torch
@@ -157,14 +169,9 @@ def _clean_after_burst(rank: int, device: torch.device) -> bool:
     gc.collect()
     gc.freeze()  # what is left lives on (modules the burst imported): the next collection skips it
     if device.type != "cuda":
-        return True
+        return None
     torch.cuda.empty_cache()
-    left = torch.cuda.memory_allocated(device) - (_allocated_at_first_start or 0)
-    if left > KEPT_ALLOCATED_SLACK_BYTES:
-        log.warning("rank %d left %.0f MiB of device memory allocated after its burst: its process is replaced",
-                    rank, left / 2**20)
-        return False
-    return True
+    return torch.cuda.memory_allocated(device)
 
 
 def run_local(request: BurstRequest, reporter: Reporter | None = None, trainable: str = "native",
