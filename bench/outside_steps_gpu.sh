@@ -17,3 +17,6 @@ python3 -m autotune run "$out/campaign.yaml" 2>&1 | tee "$out/campaign.log"
 python3 -m autotune report "$out"/run/* 2>&1 | tee "$out/report.txt"
 # Ranks the node's zygote ended because their GPU had been given to another trial (trainables/zygote.py).
 grep -rh "still holds GPU" /tmp/ray/session_latest/logs > "$out/ended_ranks.log" 2>/dev/null || true
+# A rank kept across trials recompiles megatron-core's fused functions for each new shape; past
+# torch._dynamo's recompile limit it would run them eager, slower than a new process would.
+grep -rh -A2 "hit config.recompile_limit" /tmp/ray/session_latest/logs > "$out/recompile_limit.log" 2>/dev/null || true

@@ -1,12 +1,13 @@
-"""What a rank process kept across trials would save: bursts run one after another in one process.
+"""What a rank process kept across trials saves, and whether it may be kept: bursts run one after
+another in one process.
 
-Each trial's rank is a new process today (forked from a zygote that holds the imports), so every
-burst pays a new process's first step: on an H100 with TE, 11.6-48.9 s against 0.9-8 s for a steady
-step (bench/results/h100_outside_steps_20261205/). Here one process (one rank, its process group up
-once) runs the campaign's first warm start (A, bring-up), its second (B), then A again: A's second
-first step against its first is what a kept process saves at each trial; A's two loss curves (same
-seed, same data) and throughputs say whether B left anything behind; the device memory still
-allocated after each burst is what a kept process would have to find back at its baseline.
+A rank forked new for a trial pays a new process's first step: on an H100 with TE, 11.6-48.9 s
+against 0.9-8 s for a steady step (bench/results/h100_outside_steps_20261205/); a campaign keeps a
+healthy burst's ranks for its next one (``rank_start: kept``). Here one process (one rank, its
+process group up once) runs the campaign's first warm start (A, bring-up), its second (B), then A
+again: A's second first step against its first is what a kept process saves at each trial; A's two
+loss curves (same seed, same data) and throughputs say whether B left anything behind; the device
+memory still allocated after each burst is what a kept rank's check must find back at its baseline.
 
   python bench/reused_process.py --campaign campaigns/cpu_demo.yaml --out bench/results/reused_process_cpu.json
   python bench/reused_process.py --campaign campaigns/h100_te.yaml --out /tmp/xout/reused_process_h100.json

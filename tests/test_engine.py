@@ -48,6 +48,9 @@ def test_campaign_writes_every_output(campaign_run) -> None:
     # ranks forked from the node's zygote, which the campaign kept across its trials, and once a
     # burst had ended healthy, that burst's rank processes, kept by the zygote
     assert starts == {"warm", "kept"}
+    # but a promotion run starts new rank processes, as the user's own launch will
+    promoted = [e for e in launched if e.stage == "promote" and e.contract is not None]
+    assert promoted and {e.contract.rank_start for e in promoted} == {"warm"}
     # Tune handed each kept trial process to the next trial: none was ended before it started
     assert not [e for e in records if e.cause == "not_started"]
     spend = json.loads((run_dir / "spend.json").read_text())
@@ -426,7 +429,7 @@ def test_ray_train_launcher_runs_an_ep2_burst_on_a_two_worker_group(tmp_path, ph
     try:
         results = tune.Tuner(
             tune.with_resources(tune.with_parameters(run_trial, job=job), job.trial_resources()),
-            param_space={"config": config.to_plain(), "steps": 3},
+            param_space={"config": config.to_plain(), "steps": 3, "new_rank_processes": False},
             run_config=tune.RunConfig(storage_path=str(tmp_path / "tune"), verbose=0),
         ).fit()
     finally:

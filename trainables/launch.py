@@ -180,7 +180,7 @@ def run_local(request: BurstRequest, reporter: Reporter | None = None, trainable
 
     ``reporter`` is called here, in the caller's process, with every step's report (rank 0's
     aggregate); returning ``False`` stops every rank after that step (outcome ``pruned``). One
-    uncapped rank runs in the caller's process unless the trainable needs a fresh process.
+    uncapped rank runs in the caller's process unless the trainable needs a process of its own.
     ``warm_ranks`` is the socket of a zygote that outlives this process (a campaign's, on this
     node). A caller that names one never runs a rank in its own process (a campaign's trial
     process runs trial after trial): every rank forks from that zygote where it listens, from this
@@ -188,18 +188,20 @@ def run_local(request: BurstRequest, reporter: Reporter | None = None, trainable
     """
     warm = Zygote(warm_ranks) if warm_ranks is not None else None
     if (warm is None and request.world_size == 1 and request.cpu_memory_cap_bytes is None
-            and not request.environment and not trainable_support(trainable).fresh_process):
+            and not request.environment and not trainable_support(trainable).own_process):
         import torch
 
         torch.set_num_threads(cpu_threads_per_rank(1))
         return _with_rank_start(rank_runner(trainable)(request, device_for(0), reporter), "in_process", {})
     # More ranks, a CPU memory cap (it bounds the address space a process *adds*, and the
-    # caller's heap may hold freed memory the burst would reuse uncounted), a trainable with
-    # process-global state, or a warm zygote: the ranks start in fresh processes.
+    # caller's heap may hold freed memory the burst would reuse uncounted), a trainable that needs
+    # a process of its own, or a warm zygote: the ranks start in processes of their own.
     source, start = (warm, "warm") if warm is not None and warm.listening() else _this_process_zygote(trainable)
-    # A campaign's zygote keeps healthy ranks for its next bursts, unless the trainable keeps
-    # process-global state or a CPU memory cap would count what the last burst left in the heap.
-    keep = source is warm and request.cpu_memory_cap_bytes is None and _may_keep_ranks_of(trainable)
+    # A campaign's zygote keeps healthy ranks for its next bursts, unless the trainable leaves
+    # process-global state behind, a CPU memory cap would count what the last burst left in the heap, or
+    # the burst asks for new processes (a promotion run).
+    keep = (source is warm and request.cpu_memory_cap_bytes is None and not request.new_rank_processes
+            and _may_keep_ranks_of(trainable))
     with tempfile.TemporaryDirectory(prefix="burst-") as out_dir:
         port = free_port()
         processes: list[ZygoteChild] = []
@@ -248,7 +250,7 @@ def _may_keep_ranks_of(trainable: str) -> bool:
     """Whether the trainable's bursts may run in kept rank processes; an unknown trainable's ranks
     report it themselves (``could not start``)."""
     try:
-        return not trainable_support(trainable).fresh_process
+        return trainable_support(trainable).kept_ranks
     except AutotuneError:
         return False
 

@@ -90,9 +90,13 @@ class TrainableSupport:
     and from megatron-core's local specs otherwise, so megatron-core's own limits apply: its local
     attention has no context parallelism, its torch norms no sequence parallelism, and the stack's
     megatron-core version bugs are its bugs."""
-    fresh_process: bool = False
-    """Every burst needs fresh processes (the trainable keeps process-global state, such as
-    megatron-core's parallel groups and CUDA-graph records, that must not reach the next burst)."""
+    own_process: bool = False
+    """Its ranks never run in the caller's process (they need ``torch.distributed`` up, or set
+    process-global state the caller must not inherit)."""
+    kept_ranks: bool = True
+    """A campaign may run its next burst in the rank processes of one that ended healthy: its
+    burst releases every process-global it sets (megatron-core's parallel groups and CUDA-graph
+    records) and seeds every generator it draws from."""
     training_bytes: TrainingBytes = MEGATRON_BF16
     """What it keeps per parameter and activation on CUDA (the memory model counts in these)."""
     cpu_training_bytes: TrainingBytes | None = None
@@ -410,6 +414,10 @@ class BurstRequest:
     environment: Mapping[str, str] = field(default_factory=dict)
     """Set in every rank's environment before it starts: what the fabric under the trial's
     placement needs (``autotune/core/fabric.py``); the contract records it."""
+    new_rank_processes: bool = False
+    """Run in rank processes that no earlier burst ran in, ended after this one (never ``kept``):
+    a promotion run measures its config as the user's own launch will run it, in a new process,
+    and its repeats measure the spread between such processes."""
 
     @property
     def micro_batches_per_step(self) -> int:

@@ -89,7 +89,8 @@ class TrialJob:
         # A rehearsal on GPU nodes (a replay through Ray Train) gets what the recorded trainable would.
         environment = planned_environment(config, self.accelerator, self.gpus_per_node, self.request.world_size,
                                           params.get("placement"), self.imex_channel) if self.use_gpu else {}
-        request = replace(self.request, config=config, steps=params["steps"], environment=environment)
+        request = replace(self.request, config=config, steps=params["steps"], environment=environment,
+                          new_rank_processes=params["new_rank_processes"])
         if self.trainable == REPLAY:
             return request
         folder = data_folder(self.data_source, self.request.data.folder, Path.cwd())

@@ -125,7 +125,9 @@ class _StageSearcher(_DriverOnly, Searcher):
         if self.planner is not None:
             self.planner.observe(ray.nodes())
             placement = self.planner.place(trial_id, self.workers)
-        return {"config": launch.config.to_plain(), "steps": self.steps, "placement": placement}
+        # A promotion run starts new rank processes, as the user's launch will (screens may run in kept ones).
+        return {"config": launch.config.to_plain(), "steps": self.steps, "placement": placement,
+                "new_rank_processes": launch.stage == "promote"}
 
     def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
         if self.planner is not None:

@@ -12,7 +12,7 @@ useful tokens of the batches the forward step drew (loss-bearing tokens plus the
 processor expanded), Bridge's own FLOPs count of the step, the peak memory and the loss. When the
 tuner says stop, the callback ends Bridge's loop after that step by lowering ``train_iters``.
 
-Each burst runs in a fresh process (``fresh_process``): Bridge keeps its parallel groups, timers,
+Each burst runs in a fresh process (``kept_ranks=False``): Bridge keeps its parallel groups, timers,
 CUDA graphs and rerun state machine in process globals, and a fresh process is what the user's own
 launch is. Its start-up (imports, model build, data loader) is charged to the trial.
 """

@@ -8,7 +8,7 @@ both the trial's ``invalid`` outcome. What the installed stack cannot run is the
 from autotune.core.contract import TrainableSupport
 
 SUPPORT = TrainableSupport(
-    name="bridge", requires_cuda=True, megatron_core_layers=True, fresh_process=True,
+    name="bridge", requires_cuda=True, megatron_core_layers=True, own_process=True, kept_ranks=False,
     # Not Bridge itself: it imports huggingface_hub, which must first see the burst's offline
     # checkpoints (``recipe.go_offline``).
     rank_imports=("transformer_engine.pytorch", "megatron.core.models.gpt", "megatron.core.distributed",

@@ -3,8 +3,11 @@ the model, megatron-core DDP / Megatron-FSDP / torch FSDP2, the megatron optimiz
 ``get_forward_backward_func`` on the same real-data loader as the native trainable.
 
 ``torch.distributed`` is up before :func:`run_rank` (the local launcher or a Ray Train worker
-group started it); each burst runs in fresh processes (megatron-core keeps its parallel groups,
-RNG trackers and CUDA-graph records in module globals).
+group started it). A campaign may run burst after burst in the same kept rank process
+(``rank_start: kept``): megatron-core keeps its parallel groups, microbatch calculator, rerun
+state machine and CUDA-graph records in module globals, so :func:`_release` destroys them all and a
+burst seeds every generator it draws from; the launcher keeps the process only once the burst's
+device memory is back.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ SUPPORT = TrainableSupport(
     name="megatron",
     requires_cuda=True,
     megatron_core_layers=True,
-    fresh_process=True,
+    own_process=True,
     # A full-iteration graph needs megatron-core's FullCudaGraphWrapper around the whole
     # forward-backward, which this trainable's loop does not build.
     allowed={"cuda_graph_impl": frozenset({"none", "local", "transformer_engine"})},
