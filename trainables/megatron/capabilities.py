@@ -11,6 +11,9 @@ SUPPORT = TrainableSupport(
     requires_cuda=True,
     megatron_core_layers=True,
     own_process=True,
+    # Its bursts still leave the model and optimizer allocated (19.6 GiB after bring-up on an H100,
+    # bench/results/h100_kept_ranks_20261206/): a kept rank's check would replace every one.
+    kept_ranks=False,
     # A full-iteration graph needs megatron-core's FullCudaGraphWrapper around the whole
     # forward-backward, which this trainable's loop does not build.
     allowed={"cuda_graph_impl": frozenset({"none", "local", "transformer_engine"})},
