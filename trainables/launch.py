@@ -148,14 +148,16 @@ def _rank_main(
 def _clean_after_burst(rank: int, device: torch.device) -> bool:
     """Whether the process is clean after its burst: on CUDA, the device memory allocated back
     where it was before its first burst."""
+    import gc
+
     left = allocated_after_burst(device)
-    if left is None:
-        return True
-    left -= _allocated_at_first_start or 0
-    if left > KEPT_ALLOCATED_SLACK_BYTES:
+    if left is not None and left - (_allocated_at_first_start or 0) > KEPT_ALLOCATED_SLACK_BYTES:
         log.warning("rank %d left %.0f MiB of device memory allocated after its burst: its process is replaced",
-                    rank, left / 2**20)
+                    rank, (left - (_allocated_at_first_start or 0)) / 2**20)
         return False
+    # What is left lives on (modules the burst imported): the next burst's collections skip it.
+    # Only a clean process's: frozen, a leak could not be collected even once its holder let go.
+    gc.freeze()
     return True
 
 
@@ -167,7 +169,6 @@ def allocated_after_burst(device: torch.device) -> int | None:
     import torch
 
     gc.collect()
-    gc.freeze()  # what is left lives on (modules the burst imported): the next collection skips it
     if device.type != "cuda":
         return None
     torch.cuda.empty_cache()
