@@ -3,11 +3,11 @@ the model, megatron-core DDP / Megatron-FSDP / torch FSDP2, the megatron optimiz
 ``get_forward_backward_func`` on the same real-data loader as the native trainable.
 
 ``torch.distributed`` is up before :func:`run_rank` (the local launcher or a Ray Train worker
-group started it). A campaign may run burst after burst in the same kept rank process
-(``rank_start: kept``): megatron-core keeps its parallel groups, microbatch calculator, rerun
-state machine and CUDA-graph records in module globals, so :func:`_release` destroys them all and a
-burst seeds every generator it draws from; the launcher keeps the process only once the burst's
-device memory is back.
+group started it). megatron-core keeps its parallel groups, microbatch calculator, rerun state
+machine and CUDA-graph records in module globals: :func:`_release` destroys them all, and a burst
+seeds every generator it draws from, so that a kept rank process could run the next burst. Its
+ranks are not kept yet (``kept_ranks`` in ``capabilities.py``): something still holds the model
+and optimizer after a burst (19,588 MiB after bring-up on an H100).
 """
 
 from __future__ import annotations
