@@ -150,10 +150,11 @@ def _clean_after_burst(rank: int, device: torch.device) -> bool:
     where it was before its first burst."""
     import gc
 
-    left = allocated_after_burst(device)
-    if left is not None and left - (_allocated_at_first_start or 0) > KEPT_ALLOCATED_SLACK_BYTES:
+    allocated = allocated_after_burst(device)
+    left = None if allocated is None else allocated - (_allocated_at_first_start or 0)
+    if left is not None and left > KEPT_ALLOCATED_SLACK_BYTES:
         log.warning("rank %d left %.0f MiB of device memory allocated after its burst: its process is replaced",
-                    rank, (left - (_allocated_at_first_start or 0)) / 2**20)
+                    rank, left / 2**20)
         return False
     # What is left lives on (modules the burst imported): the next burst's collections skip it.
     # Only a clean process's: frozen, a leak could not be collected even once its holder let go.

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from autotune.campaign import load_campaign
 from autotune.core.registry import rank_runner
-from trainables.launch import device_for, free_port
+from trainables.launch import allocated_after_burst, device_for, free_port
 
 
 def describe(obj: object) -> str:
@@ -67,9 +67,7 @@ def main() -> None:
     baseline = torch.cuda.memory_allocated(device)
     request = dataclasses.replace(campaign.burst_request(start.config, 3), world_size=1)
     result = rank_runner(campaign.spec.trainable)(request, device, None)
-    gc.collect()
-    torch.cuda.empty_cache()
-    print("outcome", result.outcome, "left", (torch.cuda.memory_allocated(device) - baseline) / 2**20, "MiB")
+    print("outcome", result.outcome, "left", (allocated_after_burst(device) - baseline) / 2**20, "MiB")
     del result
     gc.collect()
     tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.is_cuda]
@@ -92,10 +90,8 @@ def main() -> None:
             if hasattr(wrapper.config, name):
                 setattr(wrapper.config, name, None)
     tensors = modules = largest = roots = tensor = module = wrapper = None  # this frame's references go first
-    gc.collect()
-    torch.cuda.empty_cache()
     print("\nafter clearing DDP's grad_accs and the config's sync functions:",
-          (torch.cuda.memory_allocated(device) - baseline) / 2**20, "MiB left")
+          (allocated_after_burst(device) - baseline) / 2**20, "MiB left")
 
 
 if __name__ == "__main__":
