@@ -4,8 +4,10 @@ Training itself needs CUDA: the ``gpu`` test runs only where there is one."""
 
 from __future__ import annotations
 
+import gc
 import socket
 import warnings
+import weakref
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -101,6 +103,62 @@ def test_packed_mask_is_causal_within_samples() -> None:
     allowed = ~mask
     assert allowed[1, 0] and not allowed[0, 1]  # causal inside sample 1
     assert not allowed[2, 1] and allowed[3, 2]  # sample 2 never sees sample 1
+
+
+class _Dispatcher:
+    """As megatron-core's all-to-all token dispatcher: keeps the last router probabilities."""
+
+    def route(self, probs: torch.Tensor) -> torch.Tensor:
+        self.probs = probs
+        return probs
+
+
+class _MoELayer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = torch.nn.Linear(8, 4)
+        self.token_dispatcher = _Dispatcher()
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.token_dispatcher.route(self.router(hidden).softmax(-1))
+
+
+class _HookedWrapper(torch.nn.Module):
+    """As megatron-core's DDP: a hook on each parameter's gradient accumulator closes over it."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+        self.gradients_ready = 0
+        self.grad_accs = []
+        for param in module.parameters():
+            grad_acc = param.expand_as(param).grad_fn.next_functions[0][0]
+            grad_acc.register_hook(self._count_ready_gradient)
+            self.grad_accs.append(grad_acc)
+
+    def _count_ready_gradient(self, *_gradients) -> None:
+        self.gradients_ready += 1
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.module(hidden)
+
+
+@pytest.mark.parametrize("drop", [False, True], ids=["kept", "dropped"])
+def test_a_trained_model_is_collected_once_its_kept_graphs_are_dropped(drop: bool) -> None:
+    """A tensor that keeps a trained step's autograd graph on a module's helper ties the model to
+    C++ nodes whose hooks close over the wrapper: the collector cannot free it until the tensor goes."""
+    from trainables.megatron.burst import drop_kept_autograd_graphs
+
+    wrapper = _HookedWrapper(_MoELayer())
+    wrapper(torch.randn(3, 8)).sum().backward()
+    assert wrapper.gradients_ready == 2  # the router's weight and bias
+    alive = weakref.ref(wrapper)
+    if drop:
+        drop_kept_autograd_graphs(wrapper)
+        assert wrapper.module.token_dispatcher.probs is None
+    del wrapper
+    gc.collect()
+    assert (alive() is None) is drop
 
 
 def test_burst_without_cuda_is_invalid_with_the_reason(photo_shards: Path) -> None:

@@ -1,20 +1,23 @@
-"""On the GPU machine: what still holds device memory after one megatron burst in this process.
+"""On the GPU machine: what still holds device memory after a megatron burst in this process, and
+whether ``drop_kept_autograd_graphs`` (trainables/megatron/burst.py) frees it.
 
-Runs a campaign's first warm start for a few steps in this process (as bench/reused_process.py does),
-collects, then walks the garbage collector's view from the largest CUDA tensors still alive to their
-holders, a few levels up, and prints each chain: the object a kept rank must not keep. Then it tries
-the first suspect (2026-12-06, read in megatron-core 0.19.2, not yet run): megatron-core's DDP hooks
-each parameter's gradient accumulator (C++ nodes it keeps in ``grad_accs``) with a closure over
-itself, and the collector follows a node to its hooks only while the node has one owner; it clears
-those lists and the config's sync functions (which reach the optimizer), collects, and prints the
-memory again.
-  PYTHONPATH=/tmp/te-site:/tmp/site:$PWD TORCHDYNAMO_DISABLE=1 python3 bench/device/leak_holders.py campaigns/h100_te.yaml
+Three measurements in one process, each of a campaign's first warm start for a few steps (as
+bench/reused_process.py runs it), with the bytes a burst leaves allocated after the collector ran:
+1. the burst with ``drop_kept_autograd_graphs`` turned off (its release before 2026-12-06, which
+   left 19,584 MiB after bring-up on an H200), then the tensors still alive that carry an autograd
+   graph, with their holders, and the referrer chains of the largest CUDA tensors still alive, a
+   few levels up (a tensor with no Python referrer is held from C++: an autograd node or a hook);
+2. ``drop_kept_autograd_graphs`` applied afterwards to every module still alive;
+3. a second burst with the release as it ships.
+  PYTHONPATH=/tmp/te-site:/tmp/site:$PWD TORCHDYNAMO_DISABLE=1 python3 bench/device/leak_holders.py \\
+    campaigns/h100_te.yaml $OUT/leak_holders.json
 """
 
 from __future__ import annotations
 
 import dataclasses
 import gc
+import json
 import sys
 import types
 from pathlib import Path
@@ -25,6 +28,10 @@ import torch.distributed as dist
 from autotune.campaign import load_campaign
 from autotune.core.registry import rank_runner
 from trainables.launch import allocated_after_burst, device_for, free_port
+from trainables.megatron import burst
+
+FAN_OUT = 4
+"""Referrers followed per object: enough to name a holder, few enough that six levels stay short."""
 
 
 def describe(obj: object) -> str:
@@ -45,53 +52,82 @@ def describe(obj: object) -> str:
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
-def chains(target: object, depth: int, seen: set[int], ignore: set[int], prefix: str = "") -> None:
+def chains(target: object, depth: int, seen: set[int], ignore: set[int], lines: list[str], prefix: str = "") -> None:
     if depth == 0:
         return
-    for holder in gc.get_referrers(target)[:10]:
-        if id(holder) in ignore or id(holder) in seen or isinstance(holder, types.FrameType) and holder.f_code.co_name == "chains":
+    holders = [h for h in gc.get_referrers(target) if id(h) not in ignore
+               and not (isinstance(h, types.FrameType) and h.f_code.co_name == "chains")]
+    ignore.add(id(holders))  # this walk's own lists are not holders
+    if not holders:
+        lines.append(f"{prefix}(no Python referrer: held from C++)")
+    for holder in holders[:FAN_OUT]:
+        if id(holder) in seen:
             continue
         seen.add(id(holder))
-        print(f"{prefix}<- {describe(holder)}")
-        if isinstance(holder, types.ModuleType):
-            continue
-        chains(holder, depth - 1, seen, ignore, prefix + "  ")
+        lines.append(f"{prefix}<- {describe(holder)}")
+        if not isinstance(holder, types.ModuleType):
+            chains(holder, depth - 1, seen, ignore, lines, prefix + "  ")
+
+
+def run_burst(campaign, start, device, baseline: int) -> dict:
+    request = dataclasses.replace(campaign.burst_request(start.config, 3), world_size=1)
+    result = rank_runner(campaign.spec.trainable)(request, device, None)
+    left = (allocated_after_burst(device) - baseline) / 2**20
+    print("outcome", result.outcome, "left", round(left), "MiB", flush=True)
+    return {"outcome": result.outcome, "error": (result.error or "")[:2000], "left_mib": round(left, 1)}
+
+
+def holders_of_what_is_left() -> list[str]:
+    gc.collect()
+    tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.is_cuda]
+    modules = [o for o in gc.get_objects() if isinstance(o, torch.nn.Module)]
+    lines = [f"{len(tensors)} CUDA tensors alive (those the collector tracks), "
+             f"{sum(t.untyped_storage().nbytes() for t in tensors) / 2**20:.0f} MiB of storage; "
+             f"{sum(isinstance(t, torch.nn.Parameter) for t in tensors)} parameters; "
+             f"{len(modules)} modules: {sorted({type(m).__name__ for m in modules})[:20]}"]
+    largest = sorted(tensors, key=lambda t: -t.untyped_storage().nbytes())[:3]
+    with_graph = [t for t in tensors if t.grad_fn is not None]
+    ignore = {id(tensors), id(modules), id(largest), id(with_graph), id(sys._getframe())}
+    lines.append(f"{len(with_graph)} tensors alive carry an autograd graph; the first five's holders:")
+    for tensor in with_graph[:5]:
+        lines.append(f"  {type(tensor.grad_fn).__name__} {tuple(tensor.shape)}")
+        chains(tensor, 2, set(), ignore, lines, "    ")
+    for tensor in largest:
+        lines.append(f"{type(tensor).__name__} {tuple(tensor.shape)} {tensor.dtype} "
+                     f"{tensor.untyped_storage().nbytes() / 2**20:.0f} MiB")
+        chains(tensor, 6, set(), ignore, lines, "  ")
+    for module in [m for m in modules if type(m).__name__ == "DistributedDataParallel"][:1]:
+        lines.append(f"module {type(module).__name__}")
+        chains(module, 5, set(), ignore, lines, "  ")
+    print("\n".join(lines), flush=True)
+    return lines
 
 
 def main() -> None:
     campaign = load_campaign(Path(sys.argv[1]))
+    out = Path(sys.argv[2])
     start = campaign.space.warm_starts[0]
     device = device_for(0)
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     baseline = torch.cuda.memory_allocated(device)
-    request = dataclasses.replace(campaign.burst_request(start.config, 3), world_size=1)
-    result = rank_runner(campaign.spec.trainable)(request, device, None)
-    print("outcome", result.outcome, "left", (allocated_after_burst(device) - baseline) / 2**20, "MiB")
-    del result
-    gc.collect()
-    tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.is_cuda]
-    print(len(tensors), "CUDA tensors alive,", sum(t.untyped_storage().nbytes() for t in tensors) / 2**20, "MiB of storage")
-    print("parameters alive:", sum(isinstance(t, torch.nn.Parameter) for t in tensors))
-    modules = [o for o in gc.get_objects() if isinstance(o, torch.nn.Module)]
-    print("modules alive:", len(modules), sorted({type(m).__name__ for m in modules})[:20])
-    largest = sorted(tensors, key=lambda t: -t.untyped_storage().nbytes())[:3]
-    ignore = {id(tensors), id(modules), id(largest), id(sys._getframe())}
-    for tensor in largest:
-        print(f"\n{type(tensor).__name__} {tuple(tensor.shape)} {tensor.dtype} {tensor.untyped_storage().nbytes() / 2**20:.0f} MiB")
-        chains(tensor, 6, set(), ignore)
-    roots = [m for m in modules if type(m).__name__ in ("DistributedDataParallel", "GPTModel", "MoEVLM", "VLMModel")]
-    for module in roots[:2]:
-        print(f"\nmodule {type(module).__name__}")
-        chains(module, 5, set(), ignore)
-    for wrapper in (m for m in modules if type(m).__name__ == "DistributedDataParallel"):
-        wrapper.grad_accs.clear()
-        for name in ("no_sync_func", "grad_sync_func", "param_sync_func", "finalize_model_grads_func", "grad_scale_func"):
-            if hasattr(wrapper.config, name):
-                setattr(wrapper.config, name, None)
-    tensors = modules = largest = roots = tensor = module = wrapper = None  # this frame's references go first
-    print("\nafter clearing DDP's grad_accs and the config's sync functions:",
-          (allocated_after_burst(device) - baseline) / 2**20, "MiB left")
+    shipped = burst.drop_kept_autograd_graphs
+    burst.drop_kept_autograd_graphs = lambda model: None
+    report: dict = {"campaign": sys.argv[1], "config": start.name, "steps": 3,
+                    "device": torch.cuda.get_device_name(device), "torch": torch.__version__}
+    report["without_release"] = run_burst(campaign, start, device, baseline)
+    report["holders"] = holders_of_what_is_left()
+    for module in [o for o in gc.get_objects() if isinstance(o, torch.nn.Module)]:
+        shipped(module)
+    module = None
+    report["released_afterwards_left_mib"] = round((allocated_after_burst(device) - baseline) / 2**20, 1)
+    print("released afterwards: left", report["released_afterwards_left_mib"], "MiB", flush=True)
+    burst.drop_kept_autograd_graphs = shipped
+    report["with_release"] = run_burst(campaign, start, device, baseline)
+    if report["with_release"]["left_mib"] > 64:
+        report["holders_with_release"] = holders_of_what_is_left()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

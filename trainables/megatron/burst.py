@@ -6,8 +6,10 @@ the model, megatron-core DDP / Megatron-FSDP / torch FSDP2, the megatron optimiz
 group started it). megatron-core keeps its parallel groups, microbatch calculator, rerun state
 machine and CUDA-graph records in module globals: :func:`_release` destroys them all, and a burst
 seeds every generator it draws from, so that a kept rank process could run the next burst. Its
-ranks are not kept yet (``kept_ranks`` in ``capabilities.py``): something still holds the model
-and optimizer after a burst (19,588 MiB after bring-up on an H100).
+ranks are not kept yet (``kept_ranks`` in ``capabilities.py``): until 2026-12-06 megatron-core's
+token dispatcher held the model and optimizer after a burst through the last step's autograd graph
+(19,584 MiB after bring-up on an H200); :func:`drop_kept_autograd_graphs` frees it, and a GPU run
+of ``bench/reused_process.py`` has still to show it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import contextlib
 import gc
 import logging
 import random
+import sys
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -256,7 +259,11 @@ def build_run(request: BurstRequest, device: torch.device, build: BuildClock) ->
     # register only its own generators), megatron-core's graph-safe one otherwise.
     graphs = config.cuda_graph_impl != "none"
     _seed_every_generator(SEED)
-    model_parallel_cuda_manual_seed(SEED, te_rng_tracker=graphs and use_te, use_cudagraphable_rng=graphs)
+    # A new tracker each burst: a kept rank's was made for the last burst's config (an H200,
+    # 2026-12-06: TE graphs after a burst without them found megatron's tracker and its tensor
+    # states, and TE's attention after them rejected TE's tracker).
+    model_parallel_cuda_manual_seed(SEED, te_rng_tracker=graphs and use_te, use_cudagraphable_rng=graphs,
+                                    force_reset_rng=True)
     # GBS / (MBS × DP) per step (one per pipeline stage where the workload declares no global batch).
     dp = parallel_state.get_data_parallel_world_size()
     num_microbatches = init_micro_batch_calculator(request, dp, dist.get_rank())
@@ -418,17 +425,56 @@ def run_rank(request: BurstRequest, device: torch.device, reporter: Reporter | N
 def _release(run: MegatronRun | None) -> None:
     """Free the model, graphs and parallel groups so nothing reaches the caller or a later burst."""
     from megatron.core import parallel_state
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
     from megatron.core.rerun_state_machine import destroy_rerun_state_machine
     from megatron.core.transformer.cuda_graphs import _CudagraphGlobalRecord, delete_cuda_graphs
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-    if run is not None and run.te_graphs is not None:
-        run.te_graphs.delete()
+    if run is not None:
+        if run.te_graphs is not None:
+            run.te_graphs.delete()
+        drop_kept_autograd_graphs(run.model)
     if _CudagraphGlobalRecord.cudagraph_created or _CudagraphGlobalRecord.cudagraph_record:
         delete_cuda_graphs()
     destroy_num_microbatches_calculator()
     destroy_rerun_state_machine()  # the forward-backward function makes one on first use; it counts iterations
     parallel_state.destroy_model_parallel()
+    # Module-level state that outlives a model: the rotary table's cache keys on the module (and
+    # holds its CUDA tables), the MoE metrics tracker on the layers' metrics, the auxiliary loss's
+    # backward scale is a CUDA tensor, and TE's FP8 state holds its amax buffers and process group.
+    RotaryEmbedding.forward.cache_clear()
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
+    moe_logging = sys.modules.get("megatron.core.transformer.moe.moe_logging")  # where this megatron-core has it (0.19.2)
+    if moe_logging is not None:
+        moe_logging.destroy_moe_metrics_tracker()
+    quantization = sys.modules.get("transformer_engine.pytorch.quantization")
+    if quantization is not None:
+        quantization.FP8GlobalStateManager.reset()
+    # Back on the default stream, as a new process starts (TE graphs move the burst to their
+    # capture stream, megatron-core's local graphs to a side stream).
+    torch.cuda.graph.default_capture_stream = None
+    torch.cuda.set_stream(torch.cuda.default_stream())
+
+
+def drop_kept_autograd_graphs(model: torch.nn.Module) -> None:
+    """Drop the tensors a forward left on the model's modules, and on their helper objects, that
+    still carry that step's autograd graph, so that the cycle collector can free the model.
+
+    megatron-core's all-to-all token dispatcher keeps each MoE layer's last router probabilities
+    (``self.probs``). Their graph, though already run backward, keeps its edges to every
+    parameter's gradient accumulator before that layer, and megatron-core's DDP hooks each
+    accumulator with a closure over itself: DDP, model, buffers and optimizer are then held from
+    C++, where the collector cannot see the cycle (an H200, 2026-12-06: 19,584 MiB left after
+    bring-up's burst; ``bench/results/h200_kept_ranks_20261206/``). Public for
+    ``bench/device/leak_holders.py``."""
+    for module in model.modules():
+        helpers = [value for value in vars(module).values()
+                   if hasattr(value, "__dict__") and not isinstance(value, (torch.nn.Module, torch.Tensor, type))]
+        for holder in (module, *helpers):
+            for name, value in list(vars(holder).items()):
+                if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                    setattr(holder, name, None)
 
 
 def _count_checkpoint_nodes(output: torch.Tensor) -> int:
