@@ -224,6 +224,12 @@ class StagesSection(_Strict):
     """A screening burst stops once its steady interval is this tight (relative half-width)."""
     prune_margin: float = Field(default=0.02, ge=0, lt=1)
     """A trial is pruned once its interval's upper bound is this far below the best's lower bound."""
+    promote_early: bool = False
+    """Promote the space's best screen while screening goes on, once a later screen has failed to
+    beat it and if it beats every config promoted so far by more than ``prune_margin`` (bring-up
+    waits for the promotion stage, as its baseline), instead of once screening has ended: a good
+    config reaches the user sooner, and a better one found later costs one more promotion
+    (:func:`autotune.engine.promotion.early_promotion`; the search benchmark measures the trade)."""
     hang_timeout_s: float = Field(default=1800, gt=0)
     """A running trial with no step for this long (its first step's start-up included), a
     collective stuck on a lost peer say, is killed, recorded ``hung`` and its slots freed."""

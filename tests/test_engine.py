@@ -18,7 +18,9 @@ import pytest
 from autotune.core.contract import Evidence
 from autotune.core.knobs import KNOBS, complete_config
 from autotune.core.steady import SteadyEstimate
-from autotune.engine.promotion import decide, gain_at_equal_fidelity, projected_headroom, promotion_candidates
+from autotune.engine.promotion import (
+    decide, early_promotion, gain_at_equal_fidelity, projected_headroom, promotion_candidates,
+)
 from autotune.engine.records import TrialEntry
 from autotune.engine.rundir import RunDir
 from autotune.core.tool_flags import BRIDGE_COMPANION_KEYS, read_bridge_overrides, read_megatron_lm_args
@@ -100,6 +102,45 @@ def test_a_clearly_worse_config_is_pruned_with_its_partial_estimate(small_table,
     assert "below the best's lower bound" in slow.reason and slow.objective == slow.estimate.mean
     steps = [s for s in run_dir.steps.read() if s.trial_id == slow.trial_id]
     assert [s.record.step for s in steps] == list(range(slow.steps))  # every step it ran, recorded
+
+
+def test_an_early_promotion_runs_while_screening_goes_on_and_is_not_run_again(small_table, ray_local,
+                                                                               tmp_path) -> None:
+    """With ``stages.promote_early`` the best screen is promoted once a later screen has failed to
+    beat it, before the next screen starts; bring-up waits for the promotion stage, which runs only
+    what is left."""
+    from dataclasses import replace
+    from io import StringIO
+
+    from rich.console import Console
+
+    from autotune.campaign import load_campaign
+    from autotune.engine.driver import run_campaign
+    from autotune.engine.live import LiveView
+    from autotune.engine.rundir import create_run_dir
+
+    space = REPLAY_SPACE | {"warm_start": [
+        {"name": "bring-up", "config": {"micro_batch_size": 1}},
+        {"name": "fast", "config": {"micro_batch_size": 4, "freeze_vision_model": True}},
+    ]}
+    (tmp_path / "early").mkdir()
+    campaign = load_campaign(campaign_file(tmp_path / "early", max_trials=4, space=space))
+    stages = campaign.spec.stages.model_copy(update={"promote_early": True})
+    campaign = replace(campaign, spec=campaign.spec.model_copy(update={"stages": stages}), replay_table=small_table)
+    run_dir = create_run_dir(campaign)
+    with LiveView(Console(file=StringIO()), campaign.space, campaign.spec.objective) as view:
+        outcome = run_campaign(campaign, run_dir, view)
+    launched = [e for e in run_dir.trials.read() if e.launched]
+    order = [(e.stage, e.warm_start or e.origin) for e in launched]
+    fast = next(e for e in launched if e.warm_start == "fast")
+    promotions = [e for e in launched if e.stage == "promote"]
+    # fast is promoted once a screen after it has not beaten it, and screening goes on
+    assert order[:2] == [("screen", "bring-up"), ("screen", "fast")] and order[2][0] == "screen", order
+    assert order[3] == ("promote", "promotion") and [stage for stage, _ in order[4:]].count("screen") == 1, order
+    assert promotions[0].promoted_from == fast.trial_id and promotions[0].steps == campaign.spec.stages.promote_steps
+    assert [e.config for e in promotions].count(fast.config) == 1  # the promotion stage did not run it again
+    assert promotions[-1].config.micro_batch_size == 1  # bring-up, last, as its baseline
+    assert outcome.verdict.winner is not None and outcome.verdict.winner.config == fast.config
 
 
 def test_a_trial_the_budget_stops_is_recorded_with_its_steps_and_device_seconds(small_table, ray_local,
@@ -315,6 +356,28 @@ def test_promotion_takes_the_best_distinct_configs_within_reach_and_skips_promot
     assert [(c.config.micro_batch_size, c.promoted_from) for c in chosen] == [(2, "c"), (1, "u")]
     records.append(entry("pu", "promote", 3.1, micro_batch_size=1, recompute_granularity="full"))
     assert [c.promoted_from for c in promotion_candidates(records, 2, "s", margin=0.02)] == []
+
+
+def test_early_promotion_takes_the_best_once_a_later_screen_failed_to_beat_it_and_never_bring_up() -> None:
+    bring_up = entry("u", "screen", 3.0, micro_batch_size=1, recompute_granularity="full", origin="warm_start",
+                     warm_start="bring-up")
+    slower = entry("x", "screen", 2.0, micro_batch_size=1, recompute_granularity="selective")
+    assert early_promotion([bring_up, slower], "s", margin=0.02) is None  # the baseline waits for the promotion stage
+    records = [bring_up, entry("a", "screen", 10.0, micro_batch_size=2)]
+    assert early_promotion(records, "s", margin=0.02) is None  # the newest screen: the next may beat it
+    records.append(entry("o", "screen", None, outcome="oom", micro_batch_size=8))
+    launch = early_promotion(records, "s", margin=0.02)
+    assert (launch.stage, launch.config.micro_batch_size, launch.promoted_from) == ("promote", 2, "a")
+    assert early_promotion(records, "another space", margin=0.02) is None
+    records.append(entry("pa", "promote", 10.5, micro_batch_size=2))
+    assert early_promotion(records, "s", margin=0.02) is None  # promoted already
+    records += [entry("b", "screen", 10.1, micro_batch_size=4), slower]
+    assert early_promotion(records, "s", margin=0.02) is None  # within 2 % of a's screen: nothing to gain
+    records += [entry("c", "screen", 10.3, micro_batch_size=8, recompute_granularity="full"), slower]
+    assert early_promotion(records, "s", margin=0.02).promoted_from == "c"
+    # a promotion that lost its node did not measure: the config is promoted again
+    lost = entry("pa", "promote", None, outcome="failed", micro_batch_size=2, cause="node_lost")
+    assert early_promotion(records[:3] + [lost], "s", margin=0.02).promoted_from == "a"
 
 
 def test_gain_over_bring_up_is_quoted_between_runs_of_equal_length_with_its_interval() -> None:

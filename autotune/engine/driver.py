@@ -152,7 +152,8 @@ def _tune_space(campaign: Campaign, space: SearchSpace, study_name: str, run_dir
     from ray.tune.schedulers import FIFOScheduler
 
     from autotune.engine.tune_roles import (
-        Budget, BudgetStopper, HangWatchdog, ListSearcher, RecordingCallback, ScreeningScheduler, StudySearcher,
+        Budget, BudgetStopper, EarlyPromotion, HangWatchdog, ListSearcher, RecordingCallback, ScreeningScheduler,
+        StudySearcher,
     )
 
     spec = campaign.spec
@@ -177,7 +178,9 @@ def _tune_space(campaign: Campaign, space: SearchSpace, study_name: str, run_dir
         _run_stage(
             "screen", job, run_dir, view,
             searcher=StudySearcher(proposer, ledger, budget, spec.stages.screen_steps, planner,
-                                   job.request.world_size),
+                                   job.request.world_size,
+                                   early=EarlyPromotion(spec.stages.promote_steps, spec.stages.prune_margin)
+                                   if spec.stages.promote_early else None),
             scheduler=ScreeningScheduler(ledger, campaign),
             # each trial may run once more after losing its node
             samples=2 * budget.trials_left(), stopper=BudgetStopper(budget, ledger), callbacks=callbacks,

@@ -27,6 +27,7 @@ from ray.tune.search import Searcher
 from autotune.campaign import Campaign
 from autotune.engine.ledger import Ledger
 from autotune.engine.placement import DomainPlanner
+from autotune.engine.promotion import early_promotion
 from autotune.engine.records import RERUN_CAUSES, Launch, TrialEntry
 from autotune.engine.trial import step_objective
 from autotune.search.history import Proposal
@@ -105,6 +106,14 @@ class Budget:
         return " · ".join(parts)
 
 
+@dataclasses.dataclass(frozen=True)
+class EarlyPromotion:
+    """``stages.promote_early``: promotion runs' steps, and the margin a new best must clear."""
+
+    steps: int
+    margin: float
+
+
 class _StageSearcher(_DriverOnly, Searcher):
     """What both stages' searchers share: each suggestion says where the trial's workers go
     (``placement``: each worker's NVLink domain, or ``None``), holding those GPUs until the trial
@@ -118,7 +127,7 @@ class _StageSearcher(_DriverOnly, Searcher):
         self.retries: list[tuple[Launch, TrialEntry]] = []
         """Trials that lost their node: the launch that runs them again, and the lost trial's entry."""
 
-    def _launch(self, trial_id: str, launch: Launch) -> dict[str, Any]:
+    def _launch(self, trial_id: str, launch: Launch, steps: int | None = None) -> dict[str, Any]:
         self.running[trial_id] = launch
         self.ledger.start(trial_id, launch)
         placement = None
@@ -126,7 +135,7 @@ class _StageSearcher(_DriverOnly, Searcher):
             self.planner.observe(ray.nodes())
             placement = self.planner.place(trial_id, self.workers)
         # A promotion run starts new rank processes, as the user's launch will (screens may run in kept ones).
-        return {"config": launch.config.to_plain(), "steps": self.steps, "placement": placement,
+        return {"config": launch.config.to_plain(), "steps": steps or self.steps, "placement": placement,
                 "new_rank_processes": launch.stage == "promote"}
 
     def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
@@ -146,12 +155,14 @@ class _StageSearcher(_DriverOnly, Searcher):
 class StudySearcher(_StageSearcher):
     """Screening: each suggestion is the Optuna study's next runnable config. Proposals a gate
     rejects are told to the study and written down without reaching Ray; the study hears how each
-    launched config ended (a retry's end, for a trial that lost its node)."""
+    launched config ended (a retry's end, for a trial that lost its node). With ``early`` (the
+    campaign's ``stages.promote_early``) a new best screen is promoted before the next proposal
+    (:func:`autotune.engine.promotion.early_promotion`)."""
 
     def __init__(self, proposer: Proposer, ledger: Ledger, budget: Budget, steps: int,
-                 planner: DomainPlanner | None = None, workers: int = 1) -> None:
+                 planner: DomainPlanner | None = None, workers: int = 1, early: EarlyPromotion | None = None) -> None:
         super().__init__(ledger, steps, planner, workers)
-        self.proposer, self.budget = proposer, budget
+        self.proposer, self.budget, self.early = proposer, budget, early
         self.proposals: dict[int, Proposal] = {}
         self.space_exhausted = False
 
@@ -162,6 +173,9 @@ class StudySearcher(_StageSearcher):
             return self._launch(trial_id, self.retries.pop(0)[0])
         if self.budget.trials_left() == 0 or self.space_exhausted or self.budget.plateaued() is not None:
             return self._finish()
+        if self.early is not None and (promotion := self._early_promotion()) is not None:
+            log.info("promoting %s now: the best screen so far", promotion.config.describe())
+            return self._launch(trial_id, promotion, self.early.steps)
         proposal = self.proposer.propose()
         for rejection in self.proposer.take_rejections():
             self.ledger.reject(rejection, self.proposer.space.name)
@@ -183,7 +197,15 @@ class StudySearcher(_StageSearcher):
         self.retries.clear()
         return Searcher.FINISHED
 
+    def _early_promotion(self) -> Launch | None:
+        launch = early_promotion(self.ledger.entries, self.proposer.space.name, self.early.margin)
+        if launch is None or any(r.stage == "promote" and r.config == launch.config for r in self.running.values()):
+            return None
+        return launch
+
     def _ended(self, launch: Launch, entry: TrialEntry) -> None:
+        if launch.stage == "promote":
+            return  # not the study's: it heard the config's screen
         self.proposer.complete(
             self.proposals.pop(launch.number), entry.outcome, entry.objective,
             peak_memory_bytes=entry.peak_memory_bytes, cost_seconds=entry.device_seconds, error=entry.error,
@@ -230,7 +252,7 @@ class ScreeningScheduler(_DriverOnly, FIFOScheduler):
     def on_trial_result(self, tune_controller, trial: Trial, result: dict) -> str:
         live = self.ledger.live.get(trial.trial_id)
         value = step_objective(result)
-        if live is None or value is None:
+        if live is None or value is None or live.launch.stage == "promote":  # an early promotion runs every step
             return TrialScheduler.CONTINUE
         decision = screen(
             [*live.objective, value],  # the recording callback records this step after the decision
@@ -257,7 +279,9 @@ class BudgetStopper(_DriverOnly, Stopper):
         return False  # the budget is the campaign's, never one trial's
 
     def stop_all(self) -> bool:
-        if self.budget.exhausted() is None:
+        # An early promotion runs to its end (its run is one the verdict compares); the searcher
+        # starts nothing more once the budget is spent.
+        if self.budget.exhausted() is None or any(t.launch.stage == "promote" for t in self.ledger.live.values()):
             return False
         self.ledger.stopped_by_budget = True
         return True

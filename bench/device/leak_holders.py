@@ -20,8 +20,10 @@ import gc
 import json
 import sys
 import types
+from datetime import datetime, timezone
 from pathlib import Path
 
+import megatron.core
 import torch
 import torch.distributed as dist
 
@@ -29,6 +31,7 @@ from autotune.campaign import load_campaign
 from autotune.core.registry import rank_runner
 from trainables.launch import allocated_after_burst, device_for, free_port
 from trainables.megatron import burst
+from trainables.probe import transformer_engine_status
 
 FAN_OUT = 4
 """Referrers followed per object: enough to name a holder, few enough that six levels stay short."""
@@ -114,7 +117,9 @@ def main() -> None:
     shipped = burst.drop_kept_autograd_graphs
     burst.drop_kept_autograd_graphs = lambda model: None
     report: dict = {"campaign": sys.argv[1], "config": start.name, "steps": 3,
-                    "device": torch.cuda.get_device_name(device), "torch": torch.__version__}
+                    "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                    "device": torch.cuda.get_device_name(device), "torch": torch.__version__,
+                    "megatron_core": megatron.core.__version__, "transformer_engine": transformer_engine_status()[0]}
     report["without_release"] = run_burst(campaign, start, device, baseline)
     report["holders"] = holders_of_what_is_left()
     for module in [o for o in gc.get_objects() if isinstance(o, torch.nn.Module)]:

@@ -8,8 +8,8 @@ machine and CUDA-graph records in module globals: :func:`_release` destroys them
 seeds every generator it draws from, so that a kept rank process could run the next burst. Its
 ranks are not kept yet (``kept_ranks`` in ``capabilities.py``): until 2026-12-06 megatron-core's
 token dispatcher held the model and optimizer after a burst through the last step's autograd graph
-(19,584 MiB after bring-up on an H200); :func:`drop_kept_autograd_graphs` frees it, and a GPU run
-of ``bench/reused_process.py`` has still to show it.
+(19,584 MiB after bring-up on an H200); :func:`drop_kept_autograd_graphs` frees it (65 MiB left
+on an H100), and a GPU run of ``bench/reused_process.py`` has still to show the same losses.
 """
 
 from __future__ import annotations

@@ -13,8 +13,9 @@ SUPPORT = TrainableSupport(
     own_process=True,
     # Its bursts left the model and optimizer allocated (19.6 GiB after bring-up on an H100 and an
     # H200, bench/results/h200_kept_ranks_20261206/): megatron-core's token dispatcher kept the last
-    # step's autograd graph. Its release drops that graph since; kept once a GPU run shows the
-    # memory back and the same losses (bench/reused_process.py).
+    # step's autograd graph. Its release drops that graph since (65 MiB left on an H100,
+    # bench/results/h100_leak_fix_20261206/); kept once a GPU run also shows the same losses and a
+    # TE-graph burst after another (bench/reused_process.py).
     kept_ranks=False,
     # A full-iteration graph needs megatron-core's FullCudaGraphWrapper around the whole
     # forward-backward, which this trainable's loop does not build.
