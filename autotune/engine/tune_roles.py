@@ -156,8 +156,8 @@ class StudySearcher(_StageSearcher):
     """Screening: each suggestion is the Optuna study's next runnable config. Proposals a gate
     rejects are told to the study and written down without reaching Ray; the study hears how each
     launched config ended (a retry's end, for a trial that lost its node). With ``early`` (the
-    campaign's ``stages.promote_early``) a new best screen is promoted before the next proposal
-    (:func:`autotune.engine.promotion.early_promotion`)."""
+    campaign's ``stages.promote_early``) the best screen, once a later one failed to beat it, is
+    promoted before the next proposal (:func:`autotune.engine.promotion.early_promotion`)."""
 
     def __init__(self, proposer: Proposer, ledger: Ledger, budget: Budget, steps: int,
                  planner: DomainPlanner | None = None, workers: int = 1, early: EarlyPromotion | None = None) -> None:
@@ -174,7 +174,7 @@ class StudySearcher(_StageSearcher):
         if self.budget.trials_left() == 0 or self.space_exhausted or self.budget.plateaued() is not None:
             return self._finish()
         if self.early is not None and (promotion := self._early_promotion()) is not None:
-            log.info("promoting %s now: the best screen so far", promotion.config.describe())
+            log.info("promoting %s now: the best screen, which a later one did not beat", promotion.config.describe())
             return self._launch(trial_id, promotion, self.early.steps)
         proposal = self.proposer.propose()
         for rejection in self.proposer.take_rejections():
