@@ -22,6 +22,13 @@ BRING_UP = "bring-up"
 """The warm start every gain is quoted against (the seed's FSDP-first starting point)."""
 
 
+def promotion_runs(entries: list[TrialEntry], space: str) -> Counter[Config]:
+    """How many promotion runs each config of ``space`` has had (one that lost its node or never
+    started does not count: it is run again)."""
+    return Counter(e.config for e in entries
+                   if e.space == space and e.launched and e.stage == "promote" and e.cause not in RERUN_CAUSES)
+
+
 def promotion_candidates(entries: list[TrialEntry], top_k: int, space: str, margin: float,
                          repeats: int = 1) -> list[Launch]:
     """The ``top_k`` best distinct configs screened in ``space`` (ok outcome), best first, leaving
@@ -32,8 +39,8 @@ def promotion_candidates(entries: list[TrialEntry], top_k: int, space: str, marg
     same length, never a long run over a short screen. Each is run ``repeats`` times in all, in
     fresh processes, round by round (every config once, then again), so that a drift of the machine
     falls on all alike; the runs a config already has count (a resumed campaign runs the rest)."""
+    runs = promotion_runs(entries, space)
     entries = [e for e in entries if e.space == space]
-    runs = Counter(e.config for e in entries if e.launched and e.stage == "promote" and e.cause not in RERUN_CAUSES)
     screened = sorted((e for e in entries if e.screened_ok), key=lambda e: -e.objective)
     chosen: list[TrialEntry] = []
     seen: set[Config] = set()
@@ -71,8 +78,7 @@ def early_promotion(entries: list[TrialEntry], space: str, margin: float) -> Lau
     best = max(screened, key=lambda e: e.objective)
     if screens[-1] is best or (best.origin == "warm_start" and best.warm_start == BRING_UP):
         return None
-    promoted = {e.config for e in entries
-                if e.space == space and e.launched and e.stage == "promote" and e.cause not in RERUN_CAUSES}
+    promoted = promotion_runs(entries, space)
     if best.config in promoted:
         return None
     bar = max((e.objective for e in screened if e.config in promoted), default=None)
