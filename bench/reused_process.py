@@ -11,6 +11,10 @@ memory still allocated after each burst is what a kept rank's check must find ba
 
   python bench/reused_process.py --campaign campaigns/cpu_demo.yaml --out bench/results/reused_process_cpu.json
   python bench/reused_process.py --campaign campaigns/h100_te.yaml --out /tmp/xout/reused_process_h100.json
+
+On a GPU, kernels that accumulate with atomics make losses differ between two new processes too:
+``--first-only`` runs A alone (a new process's reference), and ``--cold-reference`` that run's
+report puts the difference between new processes beside A's difference after B.
 """
 
 from __future__ import annotations
@@ -77,6 +81,9 @@ def main() -> None:
     parser.add_argument("--campaign", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=12, help="steps per burst")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--cold-reference", type=Path, default=None,
+                        help="a --first-only run's report: how much A's losses differ between new processes")
+    parser.add_argument("--first-only", action="store_true", help="run A alone (a new process's reference)")
     args = parser.parse_args()
 
     campaign = load_campaign(args.campaign)
@@ -92,16 +99,21 @@ def main() -> None:
     trainable = campaign.spec.trainable
     baseline = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
     runs = []
-    for label, start in ((f"A ({a.name}), first in the process", a), (f"B ({b.name})", b),
-                         (f"A ({a.name}) again, after B", a)):
+    order = ((f"A ({a.name}), first in the process", a),) if args.first_only else (
+        (f"A ({a.name}), first in the process", a), (f"B ({b.name})", b), (f"A ({a.name}) again, after B", a))
+    for label, start in order:
         # One rank here: the campaign's trial size may be larger (the CPU demo's two), the global batch stays.
         request = dataclasses.replace(campaign.burst_request(start.config, args.steps), world_size=1)
         runs.append(burst(trainable, request, device, label))
     dist.destroy_process_group()
-    first, again = runs[0], runs[2]
+    command = f"python bench/reused_process.py --campaign {args.campaign} --steps {args.steps} --out {args.out}"
+    if args.first_only:
+        command += " --first-only"
+    if args.cold_reference is not None:
+        command += f" --cold-reference {args.cold_reference}"
     report = {
         "benchmark": "reused_process",
-        "command": f"python bench/reused_process.py --campaign {args.campaign} --steps {args.steps} --out {args.out}",
+        "command": command,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "python": platform.python_version(),
                     "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"},
@@ -112,22 +124,38 @@ def main() -> None:
         "trainable": trainable,
         "memory_allocated_baseline_bytes": baseline,
         "runs": runs,
-        # what a kept process saves on each trial's first step, and whether B changed A's run
-        "first_step_saved_seconds": None if first["first_step_seconds"] is None or again["first_step_seconds"] is None
-        else first["first_step_seconds"] - again["first_step_seconds"],
-        "same_losses": first["losses"] == again["losses"],
-        # GPU kernels that accumulate with atomics differ from run to run even in new processes
-        "largest_loss_difference": max((abs(x - y) for x, y in zip(first["losses"], again["losses"])), default=None),
         # what a kept rank's check asks after each burst (trainables.launch): the memory back at its start
         "memory_back_after_each_burst": None if baseline is None else [
             run["memory_allocated_after_bytes"] - baseline <= KEPT_ALLOCATED_SLACK_BYTES for run in runs],
     }
+    if not args.first_only:
+        report.update(compare_again(runs[0], runs[2], args.cold_reference))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"first step: {first['first_step_seconds']} s first in the process, {again['first_step_seconds']} s again "
-          f"after B; the same losses: {report['same_losses']} (largest difference {report['largest_loss_difference']}); "
-          f"device memory back after each burst: {report['memory_back_after_each_burst']} → {args.out}")
+    print(f"device memory back after each burst: {report['memory_back_after_each_burst']}"
+          + ("" if args.first_only else f"; first step {runs[0]['first_step_seconds']} s first in the process, "
+             f"{runs[2]['first_step_seconds']} s again after B; the same losses: {report['same_losses']} "
+             f"(largest difference {report['largest_loss_difference']}, between new processes "
+             f"{report['largest_loss_difference_between_new_processes']})") + f" → {args.out}")
 
+
+def largest_difference(losses: list[float], others: list[float]) -> float | None:
+    return max((abs(x - y) for x, y in zip(losses, others)), default=None)
+
+
+def compare_again(first: dict, again: dict, cold_reference: Path | None) -> dict:
+    """What a kept process saves on A's first step, and whether B changed A's run: on a GPU, kernels
+    that accumulate with atomics make losses differ between new processes too, so A's difference
+    after B is set beside the difference between its first run and a new process's (``cold_reference``)."""
+    cold = None if cold_reference is None else json.loads(cold_reference.read_text())["runs"][0]
+    return {
+        "first_step_saved_seconds": None if first["first_step_seconds"] is None or again["first_step_seconds"] is None
+        else first["first_step_seconds"] - again["first_step_seconds"],
+        "same_losses": first["losses"] == again["losses"],
+        "largest_loss_difference": largest_difference(first["losses"], again["losses"]),
+        "largest_loss_difference_between_new_processes": None if cold is None
+        else largest_difference(first["losses"], cold["losses"]),
+    }
 
 if __name__ == "__main__":
     main()

@@ -1,16 +1,19 @@
 """On the GPU machine: what still holds device memory after a megatron burst in this process, and
 whether ``drop_kept_autograd_graphs`` (trainables/megatron/burst.py) frees it.
 
-Three measurements in one process, each of a campaign's first warm start for a few steps (as
+Three measurements in one process, each of a campaign's first warm start (or the one a third
+argument picks: ``1`` is the TE warm start of the TE campaigns) for a few steps (as
 bench/reused_process.py runs it), with the bytes a burst leaves allocated after the collector ran:
 1. the burst with ``drop_kept_autograd_graphs`` turned off (its release before 2026-12-06, which
    left 19,584 MiB after bring-up on an H200), then the tensors still alive that carry an autograd
    graph, with their holders, and the referrer chains of the largest CUDA tensors still alive, a
    few levels up (a tensor with no Python referrer is held from C++: an autograd node or a hook);
 2. ``drop_kept_autograd_graphs`` applied afterwards to every module still alive;
-3. a second burst with the release as it ships.
+3. a second burst with the release as it ships (what holds what is left, if the kept check would
+   refuse it: with each memory pool's bytes, since a CUDA graph's private pool holds no tensor the
+   collector sees).
   PYTHONPATH=/tmp/te-site:/tmp/site:$PWD TORCHDYNAMO_DISABLE=1 python3 bench/device/leak_holders.py \\
-    campaigns/h100_te.yaml $OUT/leak_holders.json
+    campaigns/h100_te.yaml $OUT/leak_holders.json [WARM_START_INDEX]
 """
 
 from __future__ import annotations
@@ -107,6 +110,12 @@ def holders_of_what_is_left() -> list[str]:
     for module in [m for m in modules if type(m).__name__ == "DistributedDataParallel"][:1]:
         lines.append(f"module {type(module).__name__}")
         chains(module, 5, set(), ignore, lines, "  ")
+    pools: dict[str, int] = {}
+    for segment in torch.cuda.memory_snapshot():  # a CUDA graph's private pool is not a tensor the collector sees
+        pool = str(segment.get("segment_pool_id"))
+        pools[pool] = pools.get(pool, 0) + segment["allocated_size"]
+    lines.append("allocated by memory pool (MiB): " + ", ".join(
+        f"{pool} {size / 2**20:.0f}" for pool, size in sorted(pools.items(), key=lambda item: -item[1]) if size))
     print("\n".join(lines), flush=True)
     return lines
 
@@ -114,7 +123,7 @@ def holders_of_what_is_left() -> list[str]:
 def main() -> None:
     campaign = load_campaign(Path(sys.argv[1]))
     out = Path(sys.argv[2])
-    start = campaign.space.warm_starts[0]
+    start = campaign.space.warm_starts[int(sys.argv[3]) if len(sys.argv) > 3 else 0]
     device = device_for(0)
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)

@@ -5,11 +5,12 @@ the model, megatron-core DDP / Megatron-FSDP / torch FSDP2, the megatron optimiz
 ``torch.distributed`` is up before :func:`run_rank` (the local launcher or a Ray Train worker
 group started it). megatron-core keeps its parallel groups, microbatch calculator, rerun state
 machine and CUDA-graph records in module globals: :func:`_release` destroys them all, and a burst
-seeds every generator it draws from, so that a kept rank process could run the next burst. Its
-ranks are not kept yet (``kept_ranks`` in ``capabilities.py``): until 2026-12-06 megatron-core's
-token dispatcher held the model and optimizer after a burst through the last step's autograd graph
-(19,584 MiB after bring-up on an H200); :func:`drop_kept_autograd_graphs` frees it (65 MiB left
-on an H100), and a GPU run of ``bench/reused_process.py`` has still to show the same losses.
+seeds every generator it draws from, so that a kept rank process runs the next burst as a new
+one would. Until 2026-12-06 megatron-core's token dispatcher held the model and optimizer after a
+burst through the last step's autograd graph (19,584 MiB after bring-up on an H200):
+:func:`drop_kept_autograd_graphs` frees it, and the release also frees the libraries' GEMM
+workspaces, so that an H100 with TE has nothing left allocated after a TE-graph burst
+(``bench/results/h100_kept_ranks_te_20261206/``).
 """
 
 from __future__ import annotations
@@ -451,6 +452,14 @@ def _release(run: MegatronRun | None) -> None:
     quantization = sys.modules.get("transformer_engine.pytorch.quantization")
     if quantization is not None:
         quantization.FP8GlobalStateManager.reset()
+    # The GEMM workspaces both libraries keep per device and stream (TE's in an lru_cache, torch's
+    # cuBLAS ones in C++): 290 MiB after a TE-graph burst on an H100, which a kept rank's check
+    # could not tell from a leak. The next burst allocates its own.
+    gemm = sys.modules.get("transformer_engine.pytorch.cpp_extensions.gemm")
+    if gemm is not None:
+        gemm.get_cublas_workspace.cache_clear()
+    if torch.cuda.is_initialized():
+        torch._C._cuda_clearCublasWorkspaces()
     # Back on the default stream, as a new process starts (TE graphs move the burst to their
     # capture stream, megatron-core's local graphs to a side stream).
     torch.cuda.graph.default_capture_stream = None

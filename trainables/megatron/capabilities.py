@@ -11,12 +11,10 @@ SUPPORT = TrainableSupport(
     requires_cuda=True,
     megatron_core_layers=True,
     own_process=True,
-    # Its bursts left the model and optimizer allocated (19.6 GiB after bring-up on an H100 and an
-    # H200, bench/results/h200_kept_ranks_20261206/): megatron-core's token dispatcher kept the last
-    # step's autograd graph. Its release drops that graph since (65 MiB left on an H100,
-    # bench/results/h100_leak_fix_20261206/); kept once a GPU run also shows the same losses and a
-    # TE-graph burst after another (bench/reused_process.py).
-    kept_ranks=False,
+    # Its ranks are kept from one burst to the next (an H100 with TE, 2026-12-06,
+    # bench/results/h100_kept_ranks_te_20261206/): after its release a burst leaves no memory
+    # allocated, a TE-graph burst runs after another, and bring-up run again after it gives losses
+    # that differ from its first run's no more than two new processes' runs do.
     # A full-iteration graph needs megatron-core's FullCudaGraphWrapper around the whole
     # forward-backward, which this trainable's loop does not build.
     allowed={"cuda_graph_impl": frozenset({"none", "local", "transformer_engine"})},
