@@ -27,9 +27,9 @@ from test_native import BASE, SPEC
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def burst(folder: Path, steps: int, **values) -> BurstRequest:
+def burst(folder: Path, steps: int, world_size: int = 2, **values) -> BurstRequest:
     return BurstRequest(config=complete_config({**BASE, **values}), model=SPEC, data=DataSpec(str(folder)),
-                        steps=steps, world_size=2, data_workers=0)
+                        steps=steps, world_size=world_size, data_workers=0)
 
 
 @pytest.fixture
@@ -48,18 +48,23 @@ def new_zygote(tmp_path: Path, name: str) -> str:
     return address
 
 
+@pytest.mark.parametrize("world_size", [1, 2])
 def test_a_burst_in_ranks_kept_from_another_config_matches_a_burst_from_a_new_zygote(photo_shards: Path, warm: str,
-                                                                                  tmp_path: Path) -> None:
+                                                                                  tmp_path: Path, world_size: int) -> None:
     """The issue's proof for a kept rank: the same config, after a different one ran in the same
-    processes, gives the same loss curve (same seed) and a throughput within noise of new processes."""
-    other = run_local(burst(photo_shards, 3, micro_batch_size=4, recompute_granularity="full"), warm_ranks=warm)
+    processes, gives the same loss curve (same seed) and a throughput within noise of new processes.
+    A kept rank of one runs in the process group its first burst made, every other burst makes its own."""
+    other = run_local(burst(photo_shards, 3, world_size, micro_batch_size=4, recompute_granularity="full"),
+                      warm_ranks=warm)
     assert other.outcome == "ok", other.error
     assert other.contract.rank_start == "warm"
-    config = burst(photo_shards, 8, micro_batch_size=2, freeze_vision_model=True)
-    after_other = run_local(config, warm_ranks=warm)
-    from_new = run_local(config, warm_ranks=new_zygote(tmp_path, "fresh.sock"))
+    config = burst(photo_shards, 8, world_size, micro_batch_size=2, freeze_vision_model=True)
+    # (a reporter makes the ranks time their end, naming what became of the process group)
+    after_other = run_local(config, reporter=lambda report: True, warm_ranks=warm)
+    from_new = run_local(config, reporter=lambda report: True, warm_ranks=new_zygote(tmp_path, "fresh.sock"))
     for result in (after_other, from_new):
         assert result.outcome == "ok", result.error
+        assert result.teardown[1].name == (launch.WORLD_KEPT if world_size == 1 else launch.WORLD_DESTROYED)
     assert (after_other.contract.rank_start, from_new.contract.rank_start) == ("kept", "warm")
     # Same seed, same data, same arithmetic: the same loss at every step, bit for bit.
     assert [r.loss for r in after_other.records] == [r.loss for r in from_new.records]
@@ -285,3 +290,23 @@ def test_a_zygote_holds_its_trainables_stack_where_installed(tmp_path: Path) -> 
 
 def send_imported(relay, modules: tuple[str, ...]) -> None:
     relay.send({module: module in sys.modules for module in modules})
+
+
+def test_a_one_rank_world_stays_for_the_next_burst_and_the_groups_a_burst_made_do_not() -> None:
+    """What a kept rank of one keeps between bursts: its world, not the groups its trainable made
+    in it (megatron-core's parallel groups, which would add up burst after burst)."""
+    script = """
+import torch.distributed as dist
+from trainables.launch import WORLD_KEPT, _end_process_groups, _join_process_group, free_port
+_join_process_group("gloo", free_port(), 0, 1)
+world = dist.GroupMember.WORLD
+dist.new_group([0]), dist.new_group([0])  # as megatron-core makes its parallel groups
+assert len(dist.distributed_c10d._world.pg_map) == 3
+assert _end_process_groups(1) == WORLD_KEPT
+assert dist.is_initialized() and list(dist.distributed_c10d._world.pg_map) == [world]
+_join_process_group("gloo", free_port(), 0, 1)  # the next burst, in the same kept rank
+assert dist.GroupMember.WORLD is world
+print("kept")
+"""
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "kept", done.stderr

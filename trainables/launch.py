@@ -103,7 +103,9 @@ KEPT_ALLOCATED_SLACK_BYTES = 128 * 2**20
 objects are collected: workspaces libraries keep for the process's life. Measured: 65.0 MiB left
 after two megatron bursts on an H100 without TE, with no CUDA tensor or module of theirs alive
 (``bench/results/h100_leak_fix_20261206/``): torch's cuBLAS keeps a workspace per handle and
-stream, and the step's thread and autograd's have a handle each; TE keeps a 32 MiB one of its own.
+stream, and the step's thread and autograd's have a handle each; TE keeps 32 MiB ones of its own
+(the megatron trainable's release frees both since: nothing left after a TE-graph burst,
+``bench/results/h100_kept_ranks_te_20261206/``).
 A model, its gradients or optimizer states left behind are gigabytes, and leaks add up against the
 first burst's start."""
 _allocated_at_first_start: int | None = None
@@ -119,7 +121,6 @@ def _rank_main(
     invalid."""
     global _allocated_at_first_start
     import torch
-    import torch.distributed as dist
 
     try:
         torch.set_num_threads(cpu_threads_per_rank(world_size))
@@ -128,25 +129,60 @@ def _rank_main(
             torch.cuda.set_device(device)
             if _allocated_at_first_start is None:
                 _allocated_at_first_start = torch.cuda.memory_allocated(device)
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(
-            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=RANK_TIMEOUT
-        )
+        _join_process_group("nccl" if device.type == "cuda" else "gloo", port, rank, world_size)
         try:
             reporter = _RelayedReporter(relay) if relayed and rank == 0 else None
             result = rank_runner(trainable)(request, device, reporter)
             returned_at = time.perf_counter()
         finally:
-            dist.destroy_process_group()
+            ended = _end_process_groups(world_size)
         if reporter is not None and reporter.last_verdict_at is not None:
             result = replace(result, teardown=(
                 TimedPart("the trainable's end (its result, release)", round(returned_at - reporter.last_verdict_at, 4)),
-                TimedPart("process group destroyed", round(time.perf_counter() - returned_at, 4)),
+                TimedPart(ended, round(time.perf_counter() - returned_at, 4)),
             ))
     except Exception:  # noqa: BLE001 - a rank that cannot start reports why instead of an exit code
         result = BurstResult(outcome="failed", error=f"rank {rank} could not start:\n{traceback.format_exc()}")
     Path(out_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
     return functools.partial(_clean_after_burst, rank, device) if result.outcome in KEPT_OUTCOMES else None
+
+
+WORLD_KEPT = "the burst's own process groups destroyed, the world's kept"
+WORLD_DESTROYED = "process group destroyed"
+
+
+def _join_process_group(backend: str, port: int, rank: int, world_size: int) -> None:
+    """Make this burst's process group, or, in a kept rank of one-rank bursts, take the one an
+    earlier burst made: a world of one has no peer that could have been replaced since, and
+    destroying an NCCL world took 0.95 s of each trial's end on an H100 (the median trial of
+    ``bench/results/h100_kept_ranks_te_20261206/``). A world of more ranks is made anew: a kept
+    rank's peers may be new processes."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        if world_size == 1 and dist.get_world_size() == 1 and dist.get_backend() == backend:
+            return
+        dist.destroy_process_group()
+    dist.init_process_group(
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=RANK_TIMEOUT
+    )
+
+
+def _end_process_groups(world_size: int) -> str:
+    """End what the burst made of the process groups; what was done, for the teardown's part.
+
+    A one-rank world stays for the process's next burst (a kept rank), the groups the trainable
+    made in it (megatron-core's parallel groups, which its own teardown only forgets) do not: kept,
+    they would add up burst after burst, each NCCL one with its communicator."""
+    import torch.distributed as dist
+
+    if world_size > 1:
+        dist.destroy_process_group()
+        return WORLD_DESTROYED
+    for group in list(dist.distributed_c10d._world.pg_map):
+        if group is not dist.GroupMember.WORLD:
+            dist.destroy_process_group(group)
+    return WORLD_KEPT
 
 
 def _clean_after_burst(rank: int, device: torch.device) -> bool:
