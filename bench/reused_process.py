@@ -140,6 +140,7 @@ def main() -> None:
 
 
 def largest_difference(losses: list[float], others: list[float]) -> float | None:
+    """The largest difference between two loss curves, step by step."""
     return max((abs(x - y) for x, y in zip(losses, others)), default=None)
 
 
@@ -156,6 +157,7 @@ def compare_again(first: dict, again: dict, cold_reference: Path | None) -> dict
         "largest_loss_difference_between_new_processes": None if cold is None
         else largest_difference(first["losses"], cold["losses"]),
     }
+
 
 if __name__ == "__main__":
     main()

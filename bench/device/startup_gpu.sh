@@ -2,9 +2,10 @@
 # On the GPU machine (TE and .dev kits installed), in one detached run: what a trial's start-up is made
 # of. First what a rank process kept across trials saves (bench/reused_process.py with
 # TORCHDYNAMO_DISABLE=1, after a new process's reference run), then a short campaign whose report
-# splits each trial's seconds outside its steps, its build and its end part by part, and its first step's warm-up, trial by trial with how
-# its ranks started (bench/outside_steps_gpu.sh), then the reused process again with megatron-core's
-# torch.compile fusions on (last: the campaign's figures come back first). CAMPAIGN picks the
+# splits each trial's seconds outside its steps, its build and its end part by part, and its first
+# step's warm-up, trial by trial with how its ranks started (bench/outside_steps_gpu.sh), then the
+# reused process again with megatron-core's torch.compile fusions on (last: the campaign's figures
+# come back first). CAMPAIGN picks the
 # campaign (campaigns/h100_te.yaml on an H100), TRIALS its number of trials (8).
 #   bash .dev/setup.sh && CAMPAIGN=campaigns/h100_te.yaml PYTHONPATH=/tmp/te-site:/tmp/site \
 #     bash bench/device/detached.sh bash bench/device/startup_gpu.sh /tmp/xout/startup
