@@ -12,8 +12,9 @@ of them in a row mean the harness or the machine is broken, not the configs, so 
 without writing them (a later call runs them again). ``--limit`` records at most that many new rows per call (to fit a
 device session); ``--order config|shuffled`` picks which first.
 
-Start-up is recorded both ways (``autotune/core/tables.py``): each burst's ranks fork from a zygote
-the recording keeps running, as a campaign's trials' do (``warm_startup_seconds``), and a one-step
+Start-up is recorded both ways (``autotune/core/tables.py``): each burst's ranks fork anew from a
+zygote the recording keeps running, as a campaign's trials' do where no rank is kept for them
+(``warm_startup_seconds``; a rank kept from the row before would make a row depend on it), and a one-step
 burst of the same config forks them from a zygote started for it, paying the imports
 (``startup_seconds``). ``--add-warm-startup`` gives the rows of an existing table (recorded cold
 only) their warm start-up from a one-step burst each.
@@ -59,10 +60,11 @@ def zygote(folder: Path, name: str, trainable: str) -> Iterator[str]:
 
 
 def timed_burst(trainable: str, request: BurstRequest, address: str) -> tuple[BurstResult, float]:
-    """A burst whose ranks fork from the zygote at ``address``, and its start-up: its wall time
-    less its steps."""
+    """A burst whose ranks fork anew from the zygote at ``address``, and its start-up: its wall time
+    less its steps. Never in ranks kept from the row before: a row's start-up and first step are a
+    new rank process's, whatever ran before it."""
     started = time.perf_counter()
-    result = burst_runner(trainable, warm_ranks=address)(request)
+    result = burst_runner(trainable, warm_ranks=address)(dataclasses.replace(request, new_rank_processes=True))
     wall = time.perf_counter() - started
     return result, max(0.0, wall - sum(record.step_seconds for record in result.records))
 
