@@ -294,10 +294,11 @@ def send_imported(relay, modules: tuple[str, ...]) -> None:
 
 def test_a_one_rank_world_stays_for_the_next_burst_and_the_groups_a_burst_made_do_not() -> None:
     """What a kept rank of one keeps between bursts: its world, not the groups its trainable made
-    in it (megatron-core's parallel groups, which would add up burst after burst)."""
+    in it (megatron-core's parallel groups, which would add up burst after burst); and the world
+    goes too where one of those cannot be destroyed."""
     script = """
 import torch.distributed as dist
-from trainables.launch import WORLD_KEPT, _end_process_groups, _join_process_group, free_port
+from trainables.launch import WORLD_DESTROYED, WORLD_KEPT, _end_process_groups, _join_process_group, free_port
 _join_process_group("gloo", free_port(), 0, 1)
 world = dist.GroupMember.WORLD
 dist.new_group([0]), dist.new_group([0])  # as megatron-core makes its parallel groups
@@ -306,6 +307,15 @@ assert _end_process_groups(1) == WORLD_KEPT
 assert dist.is_initialized() and list(dist.distributed_c10d._world.pg_map) == [world]
 _join_process_group("gloo", free_port(), 0, 1)  # the next burst, in the same kept rank
 assert dist.GroupMember.WORLD is world
+# A group that cannot be destroyed alone takes the world with it (the burst's result stands).
+dist.new_group([0])
+destroy = dist.destroy_process_group
+def failing(group=None):
+    if group is not None:
+        raise RuntimeError("cannot")
+    destroy()
+dist.destroy_process_group = failing
+assert _end_process_groups(1) == WORLD_DESTROYED and not dist.is_initialized()
 print("kept")
 """
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)

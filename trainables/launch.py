@@ -176,13 +176,19 @@ def _end_process_groups(world_size: int) -> str:
     they would add up burst after burst, each NCCL one with its communicator."""
     import torch.distributed as dist
 
-    if world_size > 1:
-        dist.destroy_process_group()
+    if not dist.is_initialized():  # the trainable ended it itself
         return WORLD_DESTROYED
-    for group in list(dist.distributed_c10d._world.pg_map):
-        if group is not dist.GroupMember.WORLD:
-            dist.destroy_process_group(group)
-    return WORLD_KEPT
+    if world_size == 1:
+        try:
+            for group in list(dist.distributed_c10d._world.pg_map):
+                if group is not dist.GroupMember.WORLD:
+                    dist.destroy_process_group(group)
+            return WORLD_KEPT
+        except Exception:  # noqa: BLE001 - the burst's result stands; the world goes as it did before
+            log.warning("a process group the burst made could not be destroyed: destroying the world instead",
+                        exc_info=True)
+    dist.destroy_process_group()
+    return WORLD_DESTROYED
 
 
 def _clean_after_burst(rank: int, device: torch.device) -> bool:
