@@ -254,6 +254,90 @@ class _GraphHelper:
         for layer in self.flattened_callables:
             layer.cuda_graphs.append(lambda hidden: hidden)
 
+    def delete_cuda_graphs(self) -> None:
+        for layer in self.flattened_callables:
+            layer.cuda_graphs.clear()
+
+
+class _PreprocessingDispatcher:
+    def dispatch_preprocess(self, hidden, probs):
+        return hidden, probs
+
+
+def _layer(moe: bool) -> torch.nn.Module:
+    """A decoder layer's parts as megatron-core names them, each a module that can run."""
+    layer = torch.nn.Module()
+    layer.is_moe_layer = moe
+    layer.self_attention = torch.nn.Identity()
+    layer.mlp = torch.nn.Identity()
+    if moe:
+        layer.mlp.router = torch.nn.Identity()
+        layer.mlp.token_dispatcher = _PreprocessingDispatcher()
+    return layer
+
+
+def _eager_step(layers, graphed: set[str]) -> None:
+    """What Python runs of each layer in a step after the capture: every part outside the graphs."""
+    x = torch.zeros(1)
+    for layer in layers:
+        if "attn" not in graphed:
+            layer.self_attention(x)
+        if not layer.is_moe_layer:
+            if "mlp" not in graphed:
+                layer.mlp(x)
+            continue
+        if "moe" in graphed:
+            continue
+        layer.mlp(x)
+        if "moe_router" not in graphed:
+            layer.mlp.router(x)
+        if "moe_preprocess" not in graphed:
+            layer.mlp.token_dispatcher.dispatch_preprocess(x, x)
+
+
+@pytest.mark.parametrize(("graphed", "config_scope", "matches"), [
+    ({"attn", "moe_router", "moe_preprocess"}, ["attn", "moe_router", "moe_preprocess"], True),
+    ({"attn"}, ["attn"], True),
+    ({"attn"}, ["attn", "moe_router", "moe_preprocess"], False),  # the MoE parts ran eagerly
+    ({"attn", "moe_router"}, ["attn", "moe_router", "moe_preprocess"], False),
+    ({"attn", "moe_router", "moe_preprocess"}, ["attn"], False),  # more graphed than asked
+    ({"attn", "mlp", "moe"}, [], True),  # an empty scope graphs the whole layer
+    ({"attn", "moe"}, [], False),  # the dense layer's MLP ran eagerly
+    ({"attn", "mlp", "moe"}, ["attn", "mlp", "moe"], True),
+    (set(), ["attn"], False),
+])
+def test_the_graphed_scope_is_what_python_no_longer_runs(graphed: set[str], config_scope: list[str],
+                                                        matches: bool) -> None:
+    """A scope name counts as graphed when its part ran in no layer after the capture, and the check
+    holds only when that is exactly the config's scope (empty: the whole layer, here a dense layer
+    and a MoE layer, whose router and preprocessing then sit inside ``moe``)."""
+    from trainables.megatron.graph_scope import GraphScopeWatch
+
+    layers = [_layer(moe=False), _layer(moe=True)]
+    watch = GraphScopeWatch.of(layers)
+    _eager_step(layers, graphed)
+    assert (watch.graphed() == watch.expected(config_scope)) is matches
+    watch.close()
+    assert all(not m._forward_pre_hooks for layer in layers for m in layer.modules())
+    assert "dispatch_preprocess" not in vars(layers[1].mlp.token_dispatcher)
+
+
+def test_the_scope_watch_fits_megatron_cores_layers(model_parallel) -> None:
+    """The parts the watch hooks exist under these names in the installed megatron-core's layers,
+    and closing it leaves them as built."""
+    from trainables.megatron.graph_scope import GraphScopeWatch
+
+    _, vlm = build_on_meta("cpu_tiny_moe_vlm")
+    layers = list(vlm.language_model.decoder.layers)
+    watch = GraphScopeWatch.of(layers)
+    moe_layers = sum(layer.is_moe_layer for layer in layers)
+    assert moe_layers and len(watch.calls["attn"]) == len(layers)
+    assert len(watch.calls["moe_router"]) == len(watch.calls["moe_preprocess"]) == moe_layers
+    assert watch.graphed() == watch.expected([])  # nothing ran since: every part looks graphed
+    watch.close()
+    assert all(not m._forward_pre_hooks for layer in layers for m in layer.modules())
+    assert all("dispatch_preprocess" not in vars(layer.mlp.token_dispatcher) for layer in layers if layer.is_moe_layer)
+
 
 def test_graph_knob_checks_fail_when_no_graph_ran(model_parallel, photo_shards: Path) -> None:
     """A graph knob whose graphs were never captured, or captured and never replayed, fails its
@@ -273,16 +357,27 @@ def test_graph_knob_checks_fail_when_no_graph_ran(model_parallel, photo_shards: 
 
     te = {"cuda_graph_impl": "transformer_engine", "cuda_graph_scope": ["attn"]}
     assert checks(None, **te)["cuda_graph_impl"] is False
-    graphs = TransformerEngineGraphs(_GraphHelper(layers=3), capture_step=2, overlap_param_gather=False)
+    decoder_layers = [_layer(moe=True)]
+    graphs = TransformerEngineGraphs(_GraphHelper(layers=3), capture_step=2, overlap_param_gather=False,
+                                     decoder_layers=decoder_layers)
     graphs.before_step(1)
     assert checks(graphs, **te)["cuda_graph_impl"] is False  # not captured yet
+    assert checks(graphs, **te)["cuda_graph_scope"] is False
     graphs.before_step(2)
     assert checks(graphs, **te)["cuda_graph_impl"] is False  # captured, never replayed
+    assert checks(graphs, **te)["cuda_graph_scope"] is False
     assert graphs.helper.flattened_callables[0].cuda_graphs[0](5) == 5
+    _eager_step(decoder_layers, graphed={"attn"})
     assert checks(graphs, **te)["cuda_graph_impl"] is True
+    assert checks(graphs, **te)["cuda_graph_scope"] is True
+    assert checks(graphs, cuda_graph_impl="transformer_engine",
+                  cuda_graph_scope=["attn", "moe_router", "moe_preprocess"])["cuda_graph_scope"] is False
     assert checks(graphs)["cuda_graph_impl"] is False  # graphs ran with the knob off
     observed = graphs.observed()
     assert observed["te_graphs_captured"] == 3 and observed["te_graph_replays"] == 1
+    assert observed["te_graphed_scope"] == ["attn"]
+    graphs.delete()
+    assert not decoder_layers[0].self_attention._forward_pre_hooks
     assert checks(None, moe_grouped_gemm=True)["moe_grouped_gemm"] is False  # SequentialMLP built
     assert checks(None, freeze_vision_model=True)["freeze_vision_model"] is False  # vision still trains
 

@@ -23,7 +23,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -43,6 +43,7 @@ from autotune.core.contract import (
 from autotune.core.knobs import Config
 from trainables.data.loader import MicroBatch, rank_loader
 from trainables.graph_replays import CountedGraph, count_graphs_of
+from trainables.megatron.graph_scope import GraphScopeWatch
 from trainables.measurement import measurement_contract
 from trainables.probe import transformer_engine_status
 from trainables.stage_clock import StageClock
@@ -106,8 +107,11 @@ class TransformerEngineGraphs:
     helper: Any
     capture_step: int
     overlap_param_gather: bool
+    decoder_layers: Sequence[Any]
+    """This rank's decoder layers, whose parts ``scope`` watches once the graphs are captured."""
     graphs: list[CountedGraph] = field(default_factory=list)
     capture_seconds: float | None = None
+    scope: GraphScopeWatch | None = None
 
     def before_step(self, step: int) -> None:
         if step != self.capture_step or self.helper.capture_finished():
@@ -120,7 +124,13 @@ class TransformerEngineGraphs:
             self.helper.cuda_graph_set_manual_hooks()
         self.capture_seconds = time.perf_counter() - start
         self.graphs.extend(count_graphs_of(self.helper.flattened_callables))
+        self.scope = GraphScopeWatch.of(self.decoder_layers)
         log.info("captured %d TE graphs in %.1f s", len(self.graphs), self.capture_seconds)
+
+    def scope_taken(self, scope: Sequence[str]) -> bool:
+        """Graphs replayed, and they hold exactly the parts the config's scope names."""
+        return (self.scope is not None and sum(graph.replays for graph in self.graphs) > 0
+                and self.scope.graphed() == self.scope.expected(scope))
 
     def observed(self) -> dict[str, Any]:
         return {
@@ -128,9 +138,12 @@ class TransformerEngineGraphs:
             "te_graph_replays": sum(graph.replays for graph in self.graphs),
             "te_graph_capture_step": self.capture_step,
             "te_graph_capture_seconds": self.capture_seconds,
+            "te_graphed_scope": self.scope.graphed() if self.scope is not None else None,
         }
 
     def delete(self) -> None:
+        if self.scope is not None:
+            self.scope.close()
         if self.helper.graphs_created():
             self.helper.delete_cuda_graphs()
 
@@ -186,6 +199,9 @@ class MegatronRun:
             }.get(config.cuda_graph_impl, False),
             "moe_grouped_gemm": ("Grouped" in str(observed["experts_module"])) == bool(config.moe_grouped_gemm),
         }
+        if config.cuda_graph_impl == "transformer_engine":
+            checks["cuda_graph_scope"] = (self.te_graphs is not None
+                                          and self.te_graphs.scope_taken(config.cuda_graph_scope or ()))
         if observed["frozen_vision_params_with_grad"] is not None:
             frozen = observed["frozen_vision_params_with_grad"] == 0
             checks["freeze_vision_model"] = frozen == bool(config.freeze_vision_model)
@@ -302,7 +318,8 @@ def build_run(request: BurstRequest, device: torch.device, build: BuildClock) ->
             helper = TECudaGraphHelper(model=[model], config=decoder_config, seq_length=request.model.seq_length,
                                        micro_batch_size=config.micro_batch_size, optimizers=[optimizer])
         te_graphs = TransformerEngineGraphs(helper, capture_step=decoder_config.cuda_graph_warmup_steps,
-                                            overlap_param_gather=ddp_config.overlap_param_gather)
+                                            overlap_param_gather=ddp_config.overlap_param_gather,
+                                            decoder_layers=list(vlm.language_model.decoder.layers))
         build.mark("graph helper")
     clock = None
     if vlm.pre_process:
