@@ -88,6 +88,9 @@ def test_the_page_shows_the_run_records(report_page) -> None:
             assert numbers.cells[(None, f"{group}:{key}")] == pytest.approx(seconds / 3600)
     assert numbers.cells[(None, "outside_steps")] == pytest.approx(spend["outside_steps"] / 3600)
     assert numbers.cells[(None, "first_step_excess")] == pytest.approx(spend["median_first_step_excess"])
+    assert spend["by_rank_start"], "the campaign's trials say how their ranks started"
+    for start, medians in spend["by_rank_start"].items():
+        assert numbers.cells[(None, f"rank_start:{start}:outside_steps")] == pytest.approx(medians["outside_steps"])
     assert numbers.external == [], "the page loads nothing from the network"
 
 

@@ -78,6 +78,12 @@ def print_summary(console: Console, loaded: RunReport) -> None:
     if spent.median_first_step_excess is not None:
         console.print(f"the first step's warm-up (its time over the trial's median step): "
                       f"{spent.median_first_step_excess:.1f} device-s for the median trial, inside its steps")
+    if spent.by_rank_start:
+        console.print("  by how the ranks started, medians: " + "; ".join(
+            f"{start} {medians.outside_steps:.1f} s outside the steps"
+            + (f", first step +{medians.first_step_excess:.1f} s" if medians.first_step_excess is not None else "")
+            + f" ({medians.trials} trial{'s' if medians.trials > 1 else ''})"
+            for start, medians in sorted(spent.by_rank_start.items())))
     for split in loaded.stage_splits[:3]:
         parts = ", ".join(f"{part.removesuffix('_seconds')} {100 * value / split.step_seconds:.0f}%"
                           for part, value in split.parts.items() if split.step_seconds)

@@ -203,6 +203,18 @@ class StepEntry(BaseModel):
         return self.model_dump(mode="json")
 
 
+class RankStartMedians(BaseModel):
+    """Over the launched trials whose ranks started one way."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    trials: int
+    outside_steps: float
+    """The median trial's device-seconds outside its training steps."""
+    first_step_excess: float | None
+    """The median trial's first-step warm-up; ``None`` where no trial ran two steps."""
+
+
 class Spend(BaseModel):
     """Device-seconds (GPU-seconds, or CPU-slot-seconds on a CPU box) per stage and per outcome."""
 
@@ -225,6 +237,25 @@ class Spend(BaseModel):
     """Each part's median over the trials that recorded where their seconds outside steps went."""
     median_first_step_excess: float | None = None
     """The median launched trial's first-step warm-up (:attr:`TrialEntry.first_step_excess`)."""
+    by_rank_start: dict[str, RankStartMedians] = {}
+    """The same medians per way the trials' ranks started (the contract's ``rank_start``). What
+    kept ranks save shows only here: the campaign's median mixes kept screens with promotions, which
+    always start new rank processes, and with trials that ran out of memory before a step."""
+
+
+def _medians_by_rank_start(entries: Iterable[TrialEntry]) -> dict[str, RankStartMedians]:
+    outside: dict[str, list[float]] = defaultdict(list)
+    first_step: dict[str, list[float]] = defaultdict(list)
+    for entry in entries:
+        rank_start = entry.contract.rank_start if entry.contract is not None else None
+        if not entry.launched or rank_start is None or entry.training_device_seconds is None:
+            continue
+        outside[rank_start].append(max(0.0, entry.device_seconds - entry.training_device_seconds))
+        if entry.first_step_excess is not None:
+            first_step[rank_start].append(entry.first_step_excess)
+    return {start: RankStartMedians(trials=len(seconds), outside_steps=statistics.median(seconds),
+                                    first_step_excess=statistics.median(first_step[start]) if first_step[start] else None)
+            for start, seconds in outside.items()}
 
 
 def spend(entries: Iterable[TrialEntry]) -> Spend:
@@ -235,6 +266,7 @@ def spend(entries: Iterable[TrialEntry]) -> Spend:
     outside: list[float] = []
     splits: list[OutsideSteps] = []
     first_step: list[float] = []
+    entries = list(entries)
     for entry in entries:
         by_stage[entry.stage] += entry.device_seconds
         by_outcome[entry.outcome] += entry.device_seconds
@@ -253,7 +285,8 @@ def spend(entries: Iterable[TrialEntry]) -> Spend:
                  outside_steps=sum(outside) if outside else None,
                  median_trial_outside_steps=statistics.median(outside) if outside else None,
                  median_outside_split=OutsideSteps.median(splits) if splits else None,
-                 median_first_step_excess=statistics.median(first_step) if first_step else None)
+                 median_first_step_excess=statistics.median(first_step) if first_step else None,
+                 by_rank_start=_medians_by_rank_start(entries))
 
 
 def read_trial_entries(lines: Iterable[dict[str, Any]]) -> Iterator[TrialEntry]:

@@ -83,6 +83,13 @@ def _spend_table(report: RunReport) -> str:
     if (warm_up := report.spend.median_first_step_excess) is not None:
         cells += (f"<tr><td>the first step's warm-up, median trial (device-s)</td><td>over its median step</td>"
                   f"{_number(warm_up, 2, 'first_step_excess')}</tr>")
+    for start, medians in sorted(report.spend.by_rank_start.items()):
+        what = f"ranks {start}, median of {medians.trials} trial{'s' if medians.trials > 1 else ''} (device-s)"
+        cells += (f"<tr><td>{escape(what)}</td><td>outside steps</td>"
+                  f"{_number(medians.outside_steps, 2, f'rank_start:{start}:outside_steps')}</tr>")
+        if medians.first_step_excess is not None:
+            cells += (f"<tr><td>{escape(what)}</td><td>the first step's warm-up</td>"
+                      f"{_number(medians.first_step_excess, 2, f'rank_start:{start}:first_step_excess')}</tr>")
     return (f'<table id="spend"><tr><th>split</th><th></th><th>device-hours</th></tr>{cells}'
             f"<tr><td>total</td><td></td>{_number(hours.total, 4, 'total')}</tr></table>")
 
