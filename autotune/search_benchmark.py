@@ -25,7 +25,10 @@ then pay that one promotion. Each seed's *budget* is what our tuner spent on it;
 baseline hands the user its best-screened config, ours its winner. Device-seconds are the recorded
 ones (start-up included) times the devices a burst ran on. Every method pays the same start-up:
 warm (ranks forked from a zygote already running, as our campaigns start them) where the table
-recorded it, cold otherwise or when asked.
+recorded it, cold otherwise or when asked; and where every row recorded a burst in kept ranks, a
+screen after a healthy burst pays that burst's start-up and first step, as a campaign's screen in
+the ranks its slot kept does (a search's first screen and every promotion start new rank
+processes; a baseline's launch of a config Megatron rejects is charged the warm start-up).
 """
 
 from __future__ import annotations
@@ -168,12 +171,14 @@ class Replayer:
     def ratio(self, config: Config) -> float:
         return self.truth.ratio(config)
 
-    def burst(self, config: Config, steps: int) -> tuple[float, float | None, str]:
-        """Device-seconds, steady estimate per device (``None`` unless it finished) and outcome."""
+    def burst(self, config: Config, steps: int, new_rank_processes: bool) -> tuple[float, float | None, str]:
+        """Device-seconds, steady estimate per device (``None`` unless it finished) and outcome;
+        ``new_rank_processes`` as a campaign asks for them (its first trial, a promotion)."""
         if config not in self.truth.rates:  # Megatron would reject it at construction
             row = self.table.row(config)
             return row.startup(self.campaign.replay_start) * row.world_size, None, "invalid"
-        request = dataclasses.replace(self.campaign.burst_request(config, steps), seed=self.seed)
+        request = dataclasses.replace(self.campaign.burst_request(config, steps), seed=self.seed,
+                                      new_rank_processes=new_rank_processes)
         result = self.run(request)
         cost = (result.elapsed_seconds or 0.0) * request.world_size
         if result.outcome != "ok":
@@ -188,8 +193,10 @@ class Replayer:
         screened config is the one promoted (see the module's docstring)."""
         stages = self.campaign.spec.stages
         trace, incumbent, incumbent_value = Trace(), None, float("-inf")
+        screens = 0
         while trace.spent < budget and (config := propose()) is not None:
-            cost, value, outcome = self.burst(config, stages.screen_steps)
+            cost, value, outcome = self.burst(config, stages.screen_steps, new_rank_processes=screens == 0)
+            screens += 1
             trace.spent += cost
             trace.wasted += cost if outcome in FAILED_OUTCOMES else 0.0
             tell(config, value)
@@ -199,7 +206,7 @@ class Replayer:
                 continue
             trace.timeline.append((trace.spent, self.ratio(incumbent)))
             if trace.reached_at is None and self.ratio(incumbent) >= REACH:
-                trace.reached_at = trace.spent + self.burst(incumbent, stages.promote_steps)[0]
+                trace.reached_at = trace.spent + self.burst(incumbent, stages.promote_steps, new_rank_processes=True)[0]
         return trace
 
 
@@ -208,7 +215,7 @@ def run_grid(replayer: Replayer) -> Trace:
     configs = iter(replayer.campaign.space.configs())
     trace = replayer.search(lambda: next(configs, None), lambda config, value: None, budget=float("inf"))
     best = max(replayer.truth.rates, key=replayer.truth.rates.get)
-    trace.spent += replayer.burst(best, replayer.campaign.spec.stages.promote_steps)[0]
+    trace.spent += replayer.burst(best, replayer.campaign.spec.stages.promote_steps, new_rank_processes=True)[0]
     return trace
 
 
@@ -286,6 +293,7 @@ def benchmark(table: RecordedTable, seeds: int, start: RankStart = "warm") -> di
         "configs": len(table.rows),
         "seeds": seeds,
         "start_up_charged": first.replay_start,
+        "kept_ranks_charged": first.replay_start == "warm" and table.kept_recorded,
         "grid_gpu_seconds": grid.spent,
         "best_tokens_per_s": verdict.best,  # per device
         "median_budget_gpu_seconds": statistics.median(budgets),

@@ -18,6 +18,15 @@ zygote the recording keeps running, as a campaign's trials' do where no rank is 
 burst of the same config forks them from a zygote started for it, paying the imports
 (``startup_seconds``). ``--add-warm-startup`` gives the rows of an existing table (recorded cold
 only) their warm start-up from a one-step burst each.
+
+What a burst in kept ranks pays is recorded too (``kept_startup_seconds``, ``kept_first_step_seconds``),
+in a pass over the rows that ran ok once the recording's bursts are done (``--add-kept-startup`` runs
+only that pass on an existing table): a short burst of each row's config runs in the rank processes
+the row before's short burst kept, as a campaign's screen after a healthy one runs. Not between the
+rows' own bursts: those start new rank processes and keep none. Where the row before left none (the
+first row, one whose short burst failed), the burst runs a second time, in the ranks its first run
+kept. Only a burst whose contract says ``rank_start: kept`` gives figures. Ranks are never kept under
+a CPU memory cap or for a trainable that needs new processes (Bridge): there the pass is skipped.
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ from rich.progress import Progress
 from autotune.campaign import Campaign, load_campaign
 from autotune.core.contract import BurstRequest, BurstResult
 from autotune.core.knobs import Config
-from autotune.core.registry import burst_runner, start_rank_zygote
+from autotune.core.registry import burst_runner, start_rank_zygote, trainable_support
 from autotune.core.tables import RecordedBurst, append_row, load_table
 from trainables.probe import probe
 
@@ -69,6 +78,33 @@ def timed_burst(trainable: str, request: BurstRequest, address: str) -> tuple[Bu
     return result, max(0.0, wall - sum(record.step_seconds for record in result.records))
 
 
+KEPT_STEPS = 2
+"""A kept burst's steps: its first (most of what a kept rank saves is there) and one more."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KeptBurst:
+    startup_seconds: float
+    first_step_seconds: float | None
+
+
+def kept_burst(trainable: str, request: BurstRequest, address: str) -> KeptBurst | None:
+    """Start-up and first step of a short burst of the request's config in the rank processes the
+    zygote at ``address`` kept from the burst before; run again where it found none kept (its ranks
+    then are kept from its first run); ``None`` where neither run could say it ran in kept ranks."""
+    short = dataclasses.replace(request, steps=KEPT_STEPS, new_rank_processes=False)
+    for _ in range(2):
+        started = time.perf_counter()
+        result = burst_runner(trainable, warm_ranks=address)(short)
+        wall = time.perf_counter() - started
+        if result.contract is None:
+            return None
+        if result.contract.rank_start == "kept":
+            steps = [record.step_seconds for record in result.records]
+            return KeptBurst(max(0.0, wall - sum(steps)), steps[0] if steps else None)
+    return None
+
+
 def cold_startup(campaign: Campaign, request: BurstRequest, folder: Path) -> float:
     """Start-up of a one-step burst of the request's config whose zygote is started for it: the
     imports a burst pays when nothing is kept warm, timed from before the zygote starts."""
@@ -79,25 +115,34 @@ def cold_startup(campaign: Campaign, request: BurstRequest, folder: Path) -> flo
     return zygote_start + startup
 
 
-def add_warm_startup(campaign: Campaign, table: Path) -> None:
+def add_startup(campaign: Campaign, table: Path, kept: bool) -> None:
     """Give every row of ``table`` that lacks it a warm start-up, from a one-step burst whose ranks
-    fork from a zygote already running. The table is rewritten after each burst, so a machine
-    taken away mid-run keeps what it measured and a new run goes on from there."""
+    fork from a zygote already running, or (``kept``) what a burst in kept ranks pays
+    (:func:`kept_burst`, for the rows that ran ok). The table is rewritten after each burst, so a
+    machine taken away mid-run keeps what it measured and a new run goes on from there."""
     rows = list(load_table(table).rows.items())
-    todo = [config for config, row in rows if row.warm_startup_seconds is None]
-    print(f"{table}: {len(rows)} rows, measuring warm start-up for {len(todo)}")
-    measured: dict[Config, float] = {}
+    todo = [config for config, row in rows
+            if (row.outcome == "ok" and row.kept_startup_seconds is None if kept else row.warm_startup_seconds is None)]
+    what = "kept" if kept else "warm"
+    print(f"{table}: {len(rows)} rows, measuring {what} start-up for {len(todo)}")
+    measured: dict[Config, dict[str, float | None]] = {}
     with tempfile.TemporaryDirectory(prefix="record-") as folder, zygote(Path(folder), "warm", campaign.spec.trainable) as address, \
             Progress() as progress:
-        task = progress.add_task("warm start-up", total=len(todo))
+        task = progress.add_task(f"{what} start-up", total=len(todo))
         for config in todo:
-            _, measured[config] = timed_burst(campaign.spec.trainable, campaign.burst_request(config, 1), address)
-            progress.console.print(f"{config.describe()}: {measured[config]:.2f} s", markup=False)
+            if kept:
+                burst = kept_burst(campaign.spec.trainable, campaign.burst_request(config, KEPT_STEPS), address)
+                if burst is not None:
+                    measured[config] = {"kept_startup_seconds": burst.startup_seconds,
+                                        "kept_first_step_seconds": burst.first_step_seconds}
+            else:
+                _, seconds = timed_burst(campaign.spec.trainable, campaign.burst_request(config, 1), address)
+                measured[config] = {"warm_startup_seconds": seconds}
+            progress.console.print(f"{config.describe()}: {measured.get(config, 'not kept')}", markup=False)
             rewritten = table.with_suffix(".rewrite")
             rewritten.unlink(missing_ok=True)
             for recorded, row in rows:
-                append_row(rewritten, row.model_copy(update={"warm_startup_seconds": measured[recorded]})
-                           if recorded in measured else row)
+                append_row(rewritten, row.model_copy(update=measured[recorded]) if recorded in measured else row)
             os.replace(rewritten, table)
             progress.advance(task)
 
@@ -116,11 +161,17 @@ def main() -> None:
                         help="shuffled (seeded) spreads a partial recording over the whole space")
     parser.add_argument("--add-warm-startup", action="store_true",
                         help="record nothing new: measure the warm start-up of the rows of --out that lack it")
+    parser.add_argument("--add-kept-startup", action="store_true",
+                        help="record nothing new: measure what a burst in kept ranks pays for the rows of --out "
+                             "that ran ok and lack it")
     args = parser.parse_args()
 
     campaign = load_campaign(args.campaign)
-    if args.add_warm_startup:
-        add_warm_startup(campaign, args.out)
+    if args.add_kept_startup and not keeps_ranks(campaign):
+        raise SystemExit(f"{args.campaign}: its bursts never run in kept ranks (a CPU memory cap, or a trainable "
+                         "that needs new processes): there is nothing kept to measure")
+    if args.add_warm_startup or args.add_kept_startup:
+        add_startup(campaign, args.out, kept=args.add_kept_startup)
         return
     recorded = set(load_table(args.out).rows) if args.out.is_file() and args.out.stat().st_size else set()
     todo = [config for config in campaign.space.configs() if config not in recorded]
@@ -180,6 +231,13 @@ def main() -> None:
             held.clear()
     for finished in held:  # failures that ended the list but not a streak
         append_row(args.out, finished)
+    if keeps_ranks(campaign):
+        add_startup(campaign, args.out, kept=True)
+
+
+def keeps_ranks(campaign: Campaign) -> bool:
+    """Whether the campaign's bursts may run in kept ranks (see the module's docstring)."""
+    return campaign.spec.hardware.cpu_memory_cap_gib is None and trainable_support(campaign.spec.trainable).kept_ranks
 
 
 if __name__ == "__main__":

@@ -154,6 +154,47 @@ def test_a_replay_charges_the_warm_start_up_where_every_row_recorded_it(tmp_path
         load_table(path).row(complete_config({"micro_batch_size": 2})).startup("warm")
 
 
+def test_a_replay_after_a_healthy_one_charges_what_kept_ranks_paid(tmp_path) -> None:
+    """A Tune trial process runs its slot's trials one after another, as the node's zygote keeps a
+    slot's ranks: after a healthy replay the next one charges the kept burst's start-up and first
+    step, where every row recorded them; never after an out of memory (its ranks are replaced), for
+    new rank processes (a promotion), nor from a table where a row lacks them."""
+    kept = {"warm_startup_seconds": 0.5, "kept_startup_seconds": 0.2, "kept_first_step_seconds": 1.25}
+    oom = row("oom", [2.0], micro_batch_size=8).model_copy(update={"warm_startup_seconds": 0.5,
+                                                                   "kept_startup_seconds": 0.3})
+    unknown = row("oom", [2.0], micro_batch_size=16).model_copy(update={"warm_startup_seconds": 0.5})
+    path = table(tmp_path, *[row(micro_batch_size=mbs).model_copy(update=kept) for mbs in (1, 2)], oom, unknown)
+    assert load_table(path).kept_recorded
+
+    def elapsed(result: BurstResult) -> float:
+        return result.elapsed_seconds - sum(record.step_seconds for record in result.records)
+
+    first = run_replay(request(path, 4, micro_batch_size=1))
+    assert first.contract.rank_start == "warm" and first.records[0].step_seconds == WARMUP[0]
+    after_healthy = run_replay(request(path, 4, micro_batch_size=2))
+    assert after_healthy.contract.rank_start == "kept" and elapsed(after_healthy) == pytest.approx(0.2)
+    assert [r.step_seconds for r in after_healthy.records[:2]] == [1.25, WARMUP[1]]
+    out_of_memory = run_replay(request(path, 4, micro_batch_size=8))  # kept, and no step of its own there
+    assert out_of_memory.outcome == "oom" and out_of_memory.elapsed_seconds == pytest.approx(0.3 + 2.0)
+    run_replay(request(path, 4, micro_batch_size=1))
+    unknown = run_replay(request(path, 4, micro_batch_size=16))  # its kept burst could not tell: warm
+    assert unknown.outcome == "oom" and unknown.elapsed_seconds == pytest.approx(0.5 + 2.0)
+    after_oom = run_replay(request(path, 4, micro_batch_size=1))
+    assert after_oom.contract.rank_start == "warm" and elapsed(after_oom) == pytest.approx(0.5)
+    promoted = run_replay(replace(request(path, 4, micro_batch_size=2), new_rank_processes=True))
+    assert promoted.contract.rank_start == "warm" and promoted.records[0].step_seconds == WARMUP[0]
+    assert run_replay(request(path, 4, micro_batch_size=2)).contract.rank_start == "kept"
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    path = table(partial, row(micro_batch_size=1).model_copy(update=kept),
+                 row(micro_batch_size=2).model_copy(update={"warm_startup_seconds": 0.5}))
+    assert not load_table(path).kept_recorded
+    run_replay(request(path, 4, micro_batch_size=1))
+    assert run_replay(request(path, 4, micro_batch_size=1)).contract.rank_start == "warm"
+    with pytest.raises(TableError, match="no kept start-up"):
+        load_table(path).row(complete_config({"micro_batch_size": 2})).startup("kept")
+
+
 def test_the_ledger_charges_replayed_seconds_not_its_clock(tmp_path) -> None:
     campaign = load_campaign(campaign_file(tmp_path, max_trials=1))
     ledger = Ledger(create_run_dir(campaign, tmp_path / "runs"), world_size=2, warmup_steps=1,

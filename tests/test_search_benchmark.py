@@ -34,7 +34,7 @@ def test_a_config_megatron_rejects_is_charged_its_start_up_and_never_best(tmp_pa
     replayer = Replayer(campaign, table, truth(campaign, table), 0)
     rejected = complete_config({"micro_batch_size": 2, "expert_model_parallel_size": 2, "use_torch_fsdp2": True,
                                 "moe_token_dispatcher_type": "alltoall"})
-    assert replayer.burst(rejected, 8) == (2 * STARTUP, None, "invalid")
+    assert replayer.burst(rejected, 8, new_rank_processes=False) == (2 * STARTUP, None, "invalid")
     assert rejected not in replayer.truth.rates and max(map(replayer.ratio, replayer.truth.rates)) == 1.0
 
 
@@ -45,9 +45,9 @@ def test_the_grid_is_charged_every_screen_and_one_promotion(small_table: Path) -
     best = max(replayer.truth.rates, key=replayer.ratio)
     assert (best.micro_batch_size, best.freeze_vision_model) == (4, True) and replayer.ratio(best) == 1.0
     stages = campaign.spec.stages
-    screens = sum(replayer.burst(config, stages.screen_steps)[0] for config in table.rows)
+    screens = sum(replayer.burst(config, stages.screen_steps, new_rank_processes=False)[0] for config in table.rows)
     grid = run_grid(replayer)
-    assert grid.spent == pytest.approx(screens + replayer.burst(best, stages.promote_steps)[0])
+    assert grid.spent == pytest.approx(screens + replayer.burst(best, stages.promote_steps, new_rank_processes=True)[0])
     # Two out-of-memory rows: start-up of two devices each is all they cost, and it is waste.
     assert grid.wasted == pytest.approx(2 * 2 * STARTUP)
     # Random order reaches the best once it has screened it, and pays its promotion then.
@@ -74,6 +74,28 @@ def test_the_engine_replays_the_table_charging_recorded_seconds(small_table: Pat
     assert trace.reached_at is not None and trace.timeline[-1][1] >= REACH
 
 
+def test_the_engine_charges_kept_ranks_to_screens_after_a_healthy_one(small_table: Path, tmp_path: Path,
+                                                                      ray_local) -> None:
+    """Tune runs a slot's trials one after another in one trial process, as the zygote keeps a
+    slot's ranks: the engine's replays after a healthy trial are charged the kept burst, its
+    promotions new rank processes, and a screen after an out of memory new ones too."""
+    kept = tmp_path / "kept.jsonl"
+    for row in load_table(small_table).rows.values():
+        append_row(kept, row.model_copy(update={"warm_startup_seconds": 0.5, "kept_startup_seconds": 0.1,
+                                                "kept_first_step_seconds": 1.5 if row.step_seconds else None}))
+    table = load_table(kept)
+    campaign = replay_campaign(table, 0, tmp_path / "runs")
+    run_autotune(campaign, truth(campaign, table))
+    entries = list(next((tmp_path / "runs").iterdir()).joinpath("trials.jsonl").read_text().splitlines())
+    launched = [json.loads(line) for line in entries if json.loads(line)["launched"]]
+    starts = [(entry["stage"], entry["outcome"], (entry["contract"] or {}).get("rank_start")) for entry in launched]
+    assert ("screen", "ok", "kept") in starts, starts
+    assert all(start == "warm" for stage, outcome, start in starts if stage == "promote"), starts
+    for before, after in zip(starts, starts[1:]):
+        if before[1] == "oom" and after[2] is not None:
+            assert after[2] == "warm", starts
+
+
 def test_a_table_with_warm_start_up_is_charged_it_unless_cold_is_asked(small_table: Path, tmp_path: Path) -> None:
     """Every method pays one start-up: the warm one (0.5 s, ranks forked from a running zygote) where
     every row recorded it; the two out-of-memory rows cost only their start-up, on two devices."""
@@ -87,6 +109,32 @@ def test_a_table_with_warm_start_up_is_charged_it_unless_cold_is_asked(small_tab
         assert run_grid(Replayer(campaign, table, truth(campaign, table), 0)).wasted == pytest.approx(2 * 2 * startup)
     cold_only = load_table(small_table)
     assert replay_campaign(cold_only, 0, tmp_path / "runs", start="warm").replay_start == "cold"
+
+
+def test_screens_after_a_healthy_one_are_charged_the_kept_ranks_start_up_and_first_step(small_table: Path,
+                                                                                          tmp_path: Path) -> None:
+    """Where every row recorded a burst in kept ranks, every method's screen after a healthy one pays
+    what that burst paid (0.1 s of start-up and a first step of 1.5 s, against 0.5 s and 5.4–6 s in new
+    rank processes); the first screen and the promotion start new ones, and so does a screen after an
+    out of memory."""
+    warm, kept = tmp_path / "warm.jsonl", tmp_path / "kept.jsonl"
+    for row in load_table(small_table).rows.values():
+        append_row(warm, row.model_copy(update={"warm_startup_seconds": 0.5}))
+        append_row(kept, row.model_copy(update={"warm_startup_seconds": 0.5, "kept_startup_seconds": 0.1,
+                                                "kept_first_step_seconds": 1.5 if row.step_seconds else None}))
+    grids = {}
+    for path in (warm, kept):
+        table = load_table(path)
+        campaign = replay_campaign(table, 0, tmp_path / "runs")
+        grids[path] = run_grid(Replayer(campaign, table, truth(campaign, table), 0))
+    table = load_table(kept)
+    saved, healthy_before = 0.0, False
+    for config in replay_campaign(table, 0, tmp_path / "runs").space.configs():  # the grid's order
+        row = table.row(config)
+        if healthy_before:  # two devices each
+            saved += 2 * (0.5 - 0.1) + (2 * (row.step_seconds[0] - 1.5) if row.step_seconds else 0.0)
+        healthy_before = row.outcome == "ok"
+    assert saved > 0 and grids[warm].spent - grids[kept].spent == pytest.approx(saved)
 
 
 def test_a_cpu_table_replays_with_the_counted_device_memory_its_rows_ran_with(small_table: Path, tmp_path: Path) -> None:

@@ -49,7 +49,8 @@ def search(
         print(json.dumps(result))
         return
     view = Table(title=f"{table} · {result['configs']} configs · grid {result['grid_gpu_seconds']:,.0f} device-s"
-                       f" · {result['start_up_charged']} start-up")
+                       f" · {result['start_up_charged']} start-up"
+                       + (" (kept ranks after a healthy burst)" if result["kept_ranks_charged"] else ""))
     for column in ("method", "fraction of grid to 98 %", "success", "best ratio at budget", "OOM/invalid waste"):
         view.add_column(column)
     for name, row in result["methods"].items():

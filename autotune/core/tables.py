@@ -7,6 +7,7 @@ a guess. Each line::
     {"config": {canonical knob names -> values}, "outcome": "ok"|"oom"|"invalid"|"failed",
      "step_seconds": [every step, warm-up included], "useful_tokens_per_step": int,
      "peak_memory_gib": float|null, "startup_seconds": float, "warm_startup_seconds": float|null,
+     "kept_startup_seconds": float|null, "kept_first_step_seconds": float|null,
      "error": str|null, "contract": {...}}
 
 ``startup_seconds`` is everything the burst cost besides its steps (launch, build, teardown):
@@ -14,8 +15,13 @@ the burst's wall time less the sum of ``step_seconds``, with its ranks started *
 paid by the burst: a zygote started for it, or, in tables recorded before zygotes, a fresh
 process). ``warm_startup_seconds`` is the same with the ranks forked from a zygote already
 running, as a campaign's trials start them (``trainables/zygote.py``); ``null`` in tables recorded
-before it was measured. A burst costs its start-up plus ``sum(step_seconds)`` seconds of each of
-its ``contract["world_size"]`` devices.
+before it was measured. ``kept_startup_seconds`` is the same again for a short burst of the config
+run in the rank processes the row before it kept (``rank_start: kept``: their CUDA context, compiled
+kernels and caches warm), as a campaign's screen after a healthy one runs, and
+``kept_first_step_seconds`` that burst's first step, which a kept rank pays far less of than a new
+one (on an H100 with TE, 7–8 s against 14–28 s); ``null`` where not measured or the burst's ranks
+were not kept, and the first step also where the kept burst ran none. A burst costs its start-up plus ``sum(step_seconds)`` seconds
+of each of its ``contract["world_size"]`` devices.
 """
 
 from __future__ import annotations
@@ -32,6 +38,9 @@ from autotune.core.errors import AutotuneError, KnobError
 from autotune.core.knobs import Config, complete_config
 
 RecordedOutcome = Literal["ok", "oom", "invalid", "failed"]
+ChargedStart = Literal["cold", "warm", "kept"]
+"""The start-ups a row can charge: a zygote started for the burst, one already running, or the
+rank processes of the burst before, kept."""
 
 
 class Grid(Protocol):
@@ -57,6 +66,10 @@ class RecordedBurst(BaseModel):
     startup_seconds: float = Field(ge=0, description="cold: the burst paid its ranks' imports")
     warm_startup_seconds: float | None = Field(default=None, ge=0,
                                                description="ranks forked from a zygote already running")
+    kept_startup_seconds: float | None = Field(default=None, ge=0,
+                                               description="ranks kept from the burst before")
+    kept_first_step_seconds: float | None = Field(default=None, gt=0,
+                                                  description="the first step in ranks kept from the burst before")
     error: str | None
     contract: dict[str, Any]
 
@@ -65,13 +78,14 @@ class RecordedBurst(BaseModel):
         """Useful tokens/s of every recorded step."""
         return [self.useful_tokens_per_step / seconds for seconds in self.step_seconds]
 
-    def startup(self, start: RankStart) -> float:
+    def startup(self, start: ChargedStart) -> float:
         """Start-up seconds with the ranks started ``start`` (see the module's docstring)."""
         if start == "cold":
             return self.startup_seconds
-        if self.warm_startup_seconds is None:
-            raise TableError("this row has no warm start-up recorded")
-        return self.warm_startup_seconds
+        recorded = self.warm_startup_seconds if start == "warm" else self.kept_startup_seconds
+        if recorded is None:
+            raise TableError(f"this row has no {start} start-up recorded")
+        return recorded
 
     @property
     def cost_seconds(self) -> float:
@@ -113,6 +127,14 @@ class RecordedTable:
     def start_for(self, asked: RankStart) -> RankStart:
         """The start-up a replay that asks for ``asked`` is charged: cold where the table has no warm one."""
         return asked if self.charged_start == "warm" else "cold"
+
+    @property
+    def kept_recorded(self) -> bool:
+        """Every row that ran ok recorded what a burst in kept ranks pays, so a replay after a healthy
+        burst can charge that (a partly measured table would charge some configs less than others).
+        A row that did not run ok may lack it: its kept burst could not say how its ranks started
+        (a burst's contract comes with its steps), and a replay charges it the warm start-up."""
+        return all(row.kept_startup_seconds is not None for row in self.rows.values() if row.outcome == "ok")
 
 
 def load_table(path: Path) -> RecordedTable:

@@ -267,8 +267,10 @@ def _run_stage(stage: Stage, job: TrialJob, run_dir: RunDir, view: LiveView, *,
     # Trials whose ranks fork from the nodes' zygotes also reuse their own processes: a new Tune
     # trial process costs 1.96 s of its slots on the CPU demo's box (Ray's actor start, Tune's
     # setup), a reused one 0.26 s (bench/tune_trial_overhead.py). Each burst's ranks are still new
-    # processes.
-    reuse = job.warm_ranks is not None
+    # processes. Local replays reuse theirs too: a replay after a healthy one in the same process is
+    # charged what a burst in the ranks the slot kept paid (trainables/replay/burst.py), as a
+    # campaign's trial after a healthy one runs in the ranks its node's zygote kept.
+    reuse = job.warm_ranks is not None or (job.trainable == REPLAY and job.launcher == "local")
     search_alg = ConcurrencyLimiter(searcher, max_concurrent=_concurrency(job))
     tuner = tune.Tuner(
         tune.with_resources(tune.with_parameters(run_trial, job=job), job.trial_resources()),

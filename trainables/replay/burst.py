@@ -9,7 +9,10 @@ report carries the seconds the recorded burst had spent by then, start-up includ
 charges those instead of its clock, so a campaign replays in seconds what took device-hours. The
 start-up is the warm one (ranks forked from a running zygote, as campaigns start them) where the
 table recorded it and the request asks for it, else the cold one; the contract's ``rank_start``
-says which.
+says which. A replay after a healthy one in the same process (a Tune trial process runs its slot's
+trials one after another, as the node's zygote keeps a slot's ranks) charges what a burst in kept
+ranks paid, start-up and first step, where every row of the table recorded it, unless the request
+asks for new rank processes (a promotion).
 A replay measured nothing: its contract says so (``trainable: replay``) and carries the recorded
 burst's contract as the table holds it; it observed no knob, so its evidence is empty.
 
@@ -25,11 +28,16 @@ from pathlib import Path
 
 from autotune.core.contract import BurstRequest, BurstResult, Contract, Evidence, Reporter, StepRecord, StepReport
 from autotune.core.steady import steady_state
-from autotune.core.tables import RecordedBurst, RecordedTable, load_table
+from autotune.core.tables import ChargedStart, RecordedBurst, RecordedTable, load_table
+from trainables.launch import KEPT_OUTCOMES
 
 GIB = 2**30
 RECORDED_WARMUP_MIN = 1
 """The fewest recorded steps taken as warm-up (the first step builds graphs and caches)."""
+
+
+_healthy_before: dict[str, bool] = {}
+"""Per table, whether this process's last replay ended so that its ranks would be kept."""
 
 
 @functools.lru_cache(maxsize=8)
@@ -72,6 +80,17 @@ def replayed_step_seconds(row: RecordedBurst, steps: int, seed: int, key: str) -
     return (recorded[:warmup] + drawn)[:steps]
 
 
+def charged_start(table: RecordedTable, row: RecordedBurst, request: BurstRequest) -> ChargedStart:
+    """Kept after a healthy replay in this process where the table recorded kept bursts (and this
+    row one) and the request does not ask for new rank processes; else what the table and the
+    request give."""
+    start = table.start_for(request.replay_start)
+    if (start == "warm" and table.kept_recorded and row.kept_startup_seconds is not None
+            and not request.new_rank_processes and _healthy_before.get(str(request.replay_table), False)):
+        return "kept"
+    return start
+
+
 def run_replay_rank(request: BurstRequest, device: object, reporter: Reporter | None = None) -> BurstResult:
     """One rank of a replayed multi-worker burst (a Ray Train worker group holding the recorded
     trial's slots): every rank serves the same row, so they report in lockstep."""
@@ -79,14 +98,22 @@ def run_replay_rank(request: BurstRequest, device: object, reporter: Reporter | 
 
 
 def run_replay(request: BurstRequest, reporter: Reporter | None = None) -> BurstResult:
-    table = table_for(request)
+    result = _replay(table_for(request), request, reporter)
+    _healthy_before[str(request.replay_table)] = result.outcome in KEPT_OUTCOMES
+    return result
+
+
+def _replay(table: RecordedTable, request: BurstRequest, reporter: Reporter | None) -> BurstResult:
     row = table.row(request.config)
-    start = table.start_for(request.replay_start)
+    start = charged_start(table, row, request)
     contract = Contract(trainable="replay", replayed_from=request.replay_table, recorded=row.contract, rank_start=start)
     elapsed = row.startup(start)
     records: list[StepRecord] = []
     peak = int((row.peak_memory_gib or 0.0) * GIB)
-    for step, seconds in enumerate(replayed_step_seconds(row, request.steps, request.seed, request.config.describe())):
+    step_seconds = replayed_step_seconds(row, request.steps, request.seed, request.config.describe())
+    if start == "kept" and step_seconds and row.kept_first_step_seconds is not None:
+        step_seconds[0] = row.kept_first_step_seconds
+    for step, seconds in enumerate(step_seconds):
         elapsed += seconds
         record = StepRecord(
             step=step, step_seconds=seconds, data_wait_seconds=0.0, vision_seconds=0.0, projector_seconds=0.0,
