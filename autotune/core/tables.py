@@ -20,8 +20,8 @@ run in the rank processes the row before it kept (``rank_start: kept``: their CU
 kernels and caches warm), as a campaign's screen after a healthy one runs, and
 ``kept_first_step_seconds`` that burst's first step, which a kept rank pays far less of than a new
 one (on an H100 with TE, 7–8 s against 14–28 s); ``null`` where not measured or the burst's ranks
-were not kept, and the first step also where the kept burst ran none. A burst costs its start-up plus ``sum(step_seconds)`` seconds
-of each of its ``contract["world_size"]`` devices.
+were not kept, and the first step also where the kept burst ran none. A burst costs its start-up
+plus ``sum(step_seconds)`` seconds of each of its ``contract["world_size"]`` devices.
 """
 
 from __future__ import annotations
