@@ -89,18 +89,22 @@ def test_the_spend_gives_the_medians_of_kept_ranks_apart_from_new_ones() -> None
     """A campaign's median trial mixes kept screens with promotions in new rank processes and with
     trials out of memory before a step: the medians per rank start keep what kept ranks save in view."""
     def trial(name: str, rank_start: str | None, total: float, training: float | None,
-              first_step_excess: float | None) -> TrialEntry:
-        contract = None if rank_start is None else CONTRACT.model_copy(update={"rank_start": rank_start})
+              first_step_excess: float | None, contract: bool = True) -> TrialEntry:
         return launched(trial_id=name, device_seconds=total, training_device_seconds=training,
-                        first_step_excess=first_step_excess, contract=contract)
+                        first_step_excess=first_step_excess, rank_start=rank_start,
+                        contract=CONTRACT.model_copy(update={"rank_start": rank_start}) if contract else None)
 
     spent = spend([trial("k1", "kept", 21.0, 20.0, 3.0), trial("k2", "kept", 22.0, 20.0, None),
                    trial("k3", "kept", 12.0, 9.0, 1.0), trial("w1", "warm", 30.0, 20.0, 16.0),
-                   trial("oom", None, 33.0, 0.0, None), trial("old", "warm", 40.0, None, None)])
-    assert spent.median_trial_outside_steps == pytest.approx(3.0)  # of 1, 2, 3, 10 and the OOM's 33
+                   trial("oom", "warm", 33.0, 0.0, None, contract=False),  # no step, no contract
+                   trial("unknown", None, 5.0, 0.0, None, contract=False), trial("old", "warm", 40.0, None, None)])
+    assert spent.median_trial_outside_steps == pytest.approx(4.0)  # of 1, 2, 3, 5, 10 and the OOM's 33
     assert spent.by_rank_start["kept"].model_dump() == {"trials": 3, "outside_steps": 2.0, "first_step_excess": 2.0}
-    assert spent.by_rank_start["warm"].model_dump() == {"trials": 1, "outside_steps": 10.0, "first_step_excess": 16.0}
+    assert spent.by_rank_start["warm"].model_dump() == {"trials": 2, "outside_steps": 21.5, "first_step_excess": 16.0}
     assert set(spent.by_rank_start) == {"kept", "warm"}
+    # Runs recorded before the entry said it themselves: the contract's word.
+    assert spend([launched(trial_id="c", device_seconds=3.0, training_device_seconds=2.0, rank_start=None,
+                           contract=CONTRACT.model_copy(update={"rank_start": "kept"}))]).by_rank_start["kept"].trials == 1
     assert type(spent).model_validate_json(spent.model_dump_json()) == spent  # as spend.json holds it
 
 

@@ -176,6 +176,7 @@ def test_a_replay_after_a_healthy_one_charges_what_kept_ranks_paid(tmp_path) -> 
     assert [r.step_seconds for r in after_healthy.records[:2]] == [1.25, WARMUP[1]]
     out_of_memory = run_replay(request(path, 4, micro_batch_size=8))  # kept, and no step of its own there
     assert out_of_memory.outcome == "oom" and out_of_memory.elapsed_seconds == pytest.approx(0.3 + 2.0)
+    assert out_of_memory.contract is None and out_of_memory.rank_start == "kept"
     run_replay(request(path, 4, micro_batch_size=1))
     unknown = run_replay(request(path, 4, micro_batch_size=16))  # its kept burst could not tell: warm
     assert unknown.outcome == "oom" and unknown.elapsed_seconds == pytest.approx(0.5 + 2.0)

@@ -79,6 +79,7 @@ def test_an_oom_or_a_killed_rank_leaves_the_zygote_serving(photo_shards: Path, w
     capped = run_local(replace(burst(photo_shards, 2, micro_batch_size=4), cpu_memory_cap_bytes=8 * 2**20),
                        warm_ranks=warm)
     assert capped.outcome == "oom", capped.error
+    assert capped.contract is None and capped.rank_start == "warm"  # said without a contract
     ours, theirs = Pipe()
     killed = Zygote(warm).fork("test_zygote:kill_self", (), theirs)
     killed.join(timeout=30)
@@ -97,6 +98,7 @@ def test_a_kept_rank_that_runs_out_of_memory_is_replaced(photo_shards: Path, war
     after = run_local(burst(photo_shards, 2), warm_ranks=warm)
     assert (first.outcome, out_of_memory.outcome, after.outcome) == ("ok", "oom", "ok"), (out_of_memory.error, after.error)
     assert left == set()  # the kept ranks ran it (no rank was forked for it) and exited after
+    assert out_of_memory.rank_start == "kept"
     assert (first.contract.rank_start, after.contract.rank_start) == ("warm", "warm")
     assert not _children_of_zygote(warm) & kept
 

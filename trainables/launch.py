@@ -26,7 +26,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping, TypeVar
 
-from autotune.core.contract import BurstRequest, BurstResult, RankStart, Reporter, StepReport, TimedPart
+from autotune.core.contract import BurstRequest, BurstResult, RankStart, RanksStarted, Reporter, StepReport, TimedPart
 from autotune.core.errors import AutotuneError
 from autotune.core.registry import rank_runner, start_rank_zygote, trainable_support
 from trainables.zygote import Zygote, ZygoteChild
@@ -309,9 +309,12 @@ def _kept_rank_key(trainable: str, request: BurstRequest) -> str:
     return f"{trainable} {sorted(request.environment.items())}"
 
 
-def _with_rank_start(result: BurstResultOrReport, start: str, environment: Mapping[str, str]) -> BurstResultOrReport:
+def _with_rank_start(result: BurstResultOrReport, start: RanksStarted,
+                     environment: Mapping[str, str]) -> BurstResultOrReport:
     """``result`` (a burst's, or a step's report) with how its ranks started, and the environment
-    they were given, in its contract, if it has one."""
+    they were given, in its contract, if it has one; a burst's result says how they started anyway."""
+    if isinstance(result, BurstResult):
+        result = replace(result, rank_start=start)
     if result.contract is None:
         return result
     return replace(result, contract=result.contract.model_copy(
@@ -324,7 +327,7 @@ def _exit_reason(rank: int, exitcode: int | None) -> str:
     return f"rank {rank} exited with code {exitcode} before reporting"
 
 
-def _supervise(processes: list[ZygoteChild], relay: Connection, reporter: Reporter | None, start: str,
+def _supervise(processes: list[ZygoteChild], relay: Connection, reporter: Reporter | None, start: RanksStarted,
                environment: Mapping[str, str]) -> tuple[set[int], float | None]:
     """Relay rank 0's reports to ``reporter`` until every rank exits; kill ranks left stuck
     after another one exited (they wait in a collective for a rank that is gone). Returns them,

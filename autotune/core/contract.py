@@ -46,6 +46,8 @@ class StackCapabilities(BaseModel):
 
 RankStart = Literal["warm", "cold"]
 """How a burst's ranks started: forked from a zygote already running, or one started for them."""
+RanksStarted = Literal["in_process", "cold", "warm", "kept"]
+"""How a burst's ranks did start (:attr:`Contract.rank_start`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -307,7 +309,7 @@ class Contract(_Record):
     environment: dict[str, str] | None = None
     """What the ranks' environment was given from the fabric under them (CUDA connections, HybridEP's
     ranks per NVLink domain, MNNVL)."""
-    rank_start: Literal["in_process", "cold", "warm", "kept"] | None = None
+    rank_start: RanksStarted | None = None
     """How the burst's ranks started: in the trial's own process, or forked from a zygote that held
     torch and the trainables' imports, one that was started for this burst (``cold``) or one already
     running (``warm``: a campaign's, kept on each node across its trials), or in rank processes
@@ -375,6 +377,9 @@ class BurstResult:
     """A replayed burst's recorded seconds in all (see :attr:`StepReport.elapsed_seconds`)."""
     teardown: tuple[TimedPart, ...] = ()
     """From the last step's verdict to the ranks' exit, part by part (ranks a launcher forked)."""
+    rank_start: RanksStarted | None = None
+    """How its ranks started, whatever the outcome: a contract comes only with steps, and what an
+    out-of-memory burst cost depends on it (in kept ranks its build, in new ones a process's start)."""
 
 
 @dataclass(frozen=True)

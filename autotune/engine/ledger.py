@@ -142,6 +142,8 @@ class Ledger:
             training_device_seconds=sum(trial.step_seconds) * self.world_size,
             outside_steps=self._outside_steps(trial),
             first_step_excess=first_step_excess(trial.step_seconds, self.world_size),
+            rank_start=trial.end.rank_start if trial.end is not None and trial.end.rank_start is not None
+            else (trial.contract.rank_start if trial.contract is not None else None),
             benchmark_only=self.benchmark_only,
             evidence=trial.evidence,
             contract=None if trial.contract is None else trial.contract.model_copy(update={

@@ -18,7 +18,7 @@ from typing import Any, Iterable, Iterator, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationInfo, model_validator
 
-from autotune.core.contract import Contract, Evidence, StepRecord, TimedPart
+from autotune.core.contract import Contract, Evidence, RanksStarted, StepRecord, TimedPart
 from autotune.core.knobs import Config, ConfigField, complete_config
 from autotune.core.steady import SteadyEstimate
 from autotune.search.history import GateName, Origin
@@ -159,6 +159,9 @@ class TrialEntry(BaseModel):
     """Device-seconds the first step took beyond the trial's median step: the warm-up a new rank
     process pays inside its steps (kernels loaded on first use, library handles and plans, the
     allocator's growth, the loader's first batch). ``None`` with fewer than two steps."""
+    rank_start: RanksStarted | None = None
+    """How the trial's ranks started, whatever its outcome (its contract says it only with steps);
+    ``None`` where the burst did not end by itself or in runs recorded before it was kept."""
     benchmark_only: bool = False
     evidence: Evidence = Evidence()
     contract: Contract | None = None
@@ -238,16 +241,16 @@ class Spend(BaseModel):
     median_first_step_excess: float | None = None
     """The median launched trial's first-step warm-up (:attr:`TrialEntry.first_step_excess`)."""
     by_rank_start: dict[str, RankStartMedians] = {}
-    """The same medians per way the trials' ranks started (the contract's ``rank_start``). What
-    kept ranks save shows only here: the campaign's median mixes kept screens with promotions, which
-    always start new rank processes, and with trials that ran out of memory before a step."""
+    """The same medians per way the trials' ranks started (:attr:`TrialEntry.rank_start`), out-of-memory
+    trials included. What kept ranks save shows only here: the campaign's median mixes kept screens
+    with promotions, which always start new rank processes."""
 
 
 def _medians_by_rank_start(entries: Iterable[TrialEntry]) -> dict[str, RankStartMedians]:
     outside: dict[str, list[float]] = defaultdict(list)
     first_step: dict[str, list[float]] = defaultdict(list)
     for entry in entries:
-        rank_start = entry.contract.rank_start if entry.contract is not None else None
+        rank_start = entry.rank_start or (entry.contract.rank_start if entry.contract is not None else None)
         if not entry.launched or rank_start is None or entry.training_device_seconds is None:
             continue
         outside[rank_start].append(max(0.0, entry.device_seconds - entry.training_device_seconds))

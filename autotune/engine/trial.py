@@ -31,7 +31,7 @@ from ray import tune
 
 from autotune.bursts import data_folder
 from autotune.core.contract import (
-    BurstRequest, BurstResult, Contract, Evidence, Outcome, StepRecord, StepReport, TimedPart, WorkerPlacement,
+    BurstRequest, BurstResult, Contract, Evidence, Outcome, RanksStarted, StepRecord, StepReport, TimedPart, WorkerPlacement,
 )
 from autotune.core.fabric import FabricRefused, placed_environment, planned_environment
 from autotune.core.knobs import complete_config
@@ -164,6 +164,8 @@ class EndEvent(BaseModel):
     elapsed_seconds: float | None
     teardown: tuple[TimedPart, ...] = ()
     """From the last step's verdict to the ranks' exit, part by part (see :attr:`BurstResult.teardown`)."""
+    rank_start: RanksStarted | None = None
+    """How the burst's ranks started (see :attr:`BurstResult.rank_start`)."""
 
 
 def step_result(report: StepReport, objective: str, world_size: int, trial_began_at: float | None = None
@@ -184,7 +186,7 @@ def step_result(report: StepReport, objective: str, world_size: int, trial_began
 def end_result(result: BurstResult) -> dict[str, Any]:
     event = EndEvent(outcome=result.outcome, error=None if result.error is None else result.error[-4000:],
                      evidence=result.evidence, contract=result.contract, elapsed_seconds=result.elapsed_seconds,
-                     teardown=result.teardown)
+                     teardown=result.teardown, rank_start=result.rank_start)
     return {"event": "end", "payload": event.model_dump_json(exclude_unset=True)}
 
 

@@ -123,7 +123,7 @@ def _replay(table: RecordedTable, request: BurstRequest, reporter: Reporter | No
         records.append(record)
         report = StepReport(record, Evidence(), contract=contract if step == 0 else None, elapsed_seconds=elapsed)
         if reporter is not None and not reporter(report):
-            return BurstResult("pruned", tuple(records), contract, elapsed_seconds=elapsed)
+            return BurstResult("pruned", tuple(records), contract, elapsed_seconds=elapsed, rank_start=start)
     outcome = row.outcome
     return BurstResult(outcome, tuple(records), contract if outcome == "ok" else None, row.error,
-                       elapsed_seconds=elapsed)
+                       elapsed_seconds=elapsed, rank_start=start)
