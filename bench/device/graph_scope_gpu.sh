@@ -8,7 +8,8 @@ set -uo pipefail
 out=${1:?usage: graph_scope_gpu.sh OUT}
 campaign=${CAMPAIGN:-campaigns/h200_te.yaml}
 mkdir -p "$out"
-for scope in attn attn,moe_router attn,moe_router,moe_preprocess; do
+# The safe scope first: attn alone was seen graphed on an H100 (2026-12-06), the others not yet.
+for scope in attn,moe_router,moe_preprocess attn,moe_router attn; do
   list=$(printf '"%s",' ${scope//,/ }); list="[${list%,}]"
   timeout 150 python3 -m autotune burst -c "$campaign" --steps 6 --json "$out/${scope//,/-}.json" --config \
     "{\"micro_batch_size\": 4, \"recompute_granularity\": \"none\", \"moe_grouped_gemm\": true,
