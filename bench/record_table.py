@@ -121,8 +121,13 @@ def add_startup(campaign: Campaign, table: Path, kept: bool) -> None:
     (:func:`kept_burst`, for the rows that ran ok). The table is rewritten after each burst, so a
     machine taken away mid-run keeps what it measured and a new run goes on from there."""
     rows = list(load_table(table).rows.items())
-    todo = [config for config, row in rows
-            if (row.outcome == "ok" and row.kept_startup_seconds is None if kept else row.warm_startup_seconds is None)]
+
+    def lacks(row: RecordedBurst) -> bool:
+        if kept:
+            return row.outcome == "ok" and row.kept_startup_seconds is None
+        return row.warm_startup_seconds is None
+
+    todo = [config for config, row in rows if lacks(row)]
     what = "kept" if kept else "warm"
     print(f"{table}: {len(rows)} rows, measuring {what} start-up for {len(todo)}")
     measured: dict[Config, dict[str, float | None]] = {}

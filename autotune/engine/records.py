@@ -169,6 +169,11 @@ class TrialEntry(BaseModel):
     finished_at: datetime
 
     @property
+    def ranks_started(self) -> RanksStarted | None:
+        """How its ranks started: its own word, or its contract's in runs recorded before it had one."""
+        return self.rank_start or (self.contract.rank_start if self.contract is not None else None)
+
+    @property
     def processes(self) -> int:
         """How many fresh-process runs this entry stands for (``runs``; one when it is a single run)."""
         return len(self.runs) or 1
@@ -241,24 +246,9 @@ class Spend(BaseModel):
     median_first_step_excess: float | None = None
     """The median launched trial's first-step warm-up (:attr:`TrialEntry.first_step_excess`)."""
     by_rank_start: dict[str, RankStartMedians] = {}
-    """The same medians per way the trials' ranks started (:attr:`TrialEntry.rank_start`), out-of-memory
+    """The same medians per way the trials' ranks started (:attr:`TrialEntry.ranks_started`), out-of-memory
     trials included. What kept ranks save shows only here: the campaign's median mixes kept screens
     with promotions, which always start new rank processes."""
-
-
-def _medians_by_rank_start(entries: Iterable[TrialEntry]) -> dict[str, RankStartMedians]:
-    outside: dict[str, list[float]] = defaultdict(list)
-    first_step: dict[str, list[float]] = defaultdict(list)
-    for entry in entries:
-        rank_start = entry.rank_start or (entry.contract.rank_start if entry.contract is not None else None)
-        if not entry.launched or rank_start is None or entry.training_device_seconds is None:
-            continue
-        outside[rank_start].append(max(0.0, entry.device_seconds - entry.training_device_seconds))
-        if entry.first_step_excess is not None:
-            first_step[rank_start].append(entry.first_step_excess)
-    return {start: RankStartMedians(trials=len(seconds), outside_steps=statistics.median(seconds),
-                                    first_step_excess=statistics.median(first_step[start]) if first_step[start] else None)
-            for start, seconds in outside.items()}
 
 
 def spend(entries: Iterable[TrialEntry]) -> Spend:
@@ -269,7 +259,8 @@ def spend(entries: Iterable[TrialEntry]) -> Spend:
     outside: list[float] = []
     splits: list[OutsideSteps] = []
     first_step: list[float] = []
-    entries = list(entries)
+    outside_by_start: dict[str, list[float]] = defaultdict(list)
+    first_step_by_start: dict[str, list[float]] = defaultdict(list)
     for entry in entries:
         by_stage[entry.stage] += entry.device_seconds
         by_outcome[entry.outcome] += entry.device_seconds
@@ -277,6 +268,10 @@ def spend(entries: Iterable[TrialEntry]) -> Spend:
             launched[entry.stage] += 1
             if entry.training_device_seconds is not None:
                 outside.append(max(0.0, entry.device_seconds - entry.training_device_seconds))
+                if (start := entry.ranks_started) is not None:
+                    outside_by_start[start].append(outside[-1])
+                    if entry.first_step_excess is not None:
+                        first_step_by_start[start].append(entry.first_step_excess)
             if entry.outside_steps is not None:
                 splits.append(entry.outside_steps)
             if entry.first_step_excess is not None:
@@ -289,7 +284,10 @@ def spend(entries: Iterable[TrialEntry]) -> Spend:
                  median_trial_outside_steps=statistics.median(outside) if outside else None,
                  median_outside_split=OutsideSteps.median(splits) if splits else None,
                  median_first_step_excess=statistics.median(first_step) if first_step else None,
-                 by_rank_start=_medians_by_rank_start(entries))
+                 by_rank_start={start: RankStartMedians(
+                     trials=len(seconds), outside_steps=statistics.median(seconds),
+                     first_step_excess=statistics.median(first_step_by_start[start]) if first_step_by_start[start]
+                     else None) for start, seconds in outside_by_start.items()})
 
 
 def read_trial_entries(lines: Iterable[dict[str, Any]]) -> Iterator[TrialEntry]:

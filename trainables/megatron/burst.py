@@ -127,15 +127,18 @@ class TransformerEngineGraphs:
         self.scope = GraphScopeWatch.of(self.decoder_layers)
         log.info("captured %d TE graphs in %.1f s", len(self.graphs), self.capture_seconds)
 
+    @property
+    def replays(self) -> int:
+        return sum(graph.replays for graph in self.graphs)
+
     def scope_taken(self, scope: Sequence[str]) -> bool:
         """Graphs replayed, and they hold exactly the parts the config's scope names."""
-        return (self.scope is not None and sum(graph.replays for graph in self.graphs) > 0
-                and self.scope.graphed() == self.scope.expected(scope))
+        return self.scope is not None and self.replays > 0 and self.scope.graphed() == self.scope.expected(scope)
 
     def observed(self) -> dict[str, Any]:
         return {
             "te_graphs_captured": len(self.graphs),
-            "te_graph_replays": sum(graph.replays for graph in self.graphs),
+            "te_graph_replays": self.replays,
             "te_graph_capture_step": self.capture_step,
             "te_graph_capture_seconds": self.capture_seconds,
             "te_graphed_scope": self.scope.graphed() if self.scope is not None else None,
