@@ -180,6 +180,9 @@ def test_oom_is_an_outcome_not_a_crash(photo_shards: Path, monkeypatch) -> None:
     monkeypatch.setattr(MoEVLM, "forward", exhausted)
     result = run_local(request(photo_shards))
     assert result.outcome == "oom" and "Tried to allocate" in result.error and result.records == ()
+    # With no step to send its set-up with, the burst says where its seconds went, to the OOM
+    parts = [part.name for part in result.before_first_step]
+    assert parts[0] == "data loader" and "model" in parts and parts[-1] == "the first step, until out of memory"
 
 
 def test_config_the_stack_rejects_is_invalid(photo_shards: Path) -> None:
@@ -472,3 +475,11 @@ def test_a_step_over_the_counted_device_memory_is_oom_the_same_at_every_length(p
                                cpu_device_memory_bytes=budget))
     assert fits.outcome == "ok", fits.error
     assert bigger.outcome == "oom" and "counted device memory" in bigger.error and not bigger.records
+    assert bigger.before_first_step[-1].name == "the first step, until out of memory" and not fits.before_first_step
+    # Its end from the out of memory on, though no step's verdict came; the rest is the ranks' start and exit
+    assert [part.name for part in bigger.teardown] == [
+        "the trainable's end (its result, release)", "process group destroyed", "the ranks' start and exit"]
+    # A budget under the parameters and optimizer state: out of memory in the build, after its last timed part
+    static = run_local(replace(roomy, cpu_device_memory_bytes=2**10))
+    assert static.outcome == "oom", static.error
+    assert static.before_first_step[-1].name == "after parallel groups, to device, until out of memory"

@@ -96,11 +96,17 @@ def test_the_spend_gives_the_medians_of_kept_ranks_apart_from_new_ones() -> None
 
     spent = spend([trial("k1", "kept", 21.0, 20.0, 3.0), trial("k2", "kept", 22.0, 20.0, None),
                    trial("k3", "kept", 12.0, 9.0, 1.0), trial("w1", "warm", 30.0, 20.0, 16.0),
-                   trial("oom", "warm", 33.0, 0.0, None, contract=False),  # no step, no contract
+                   trial("oom", "warm", 33.0, 0.0, None, contract=False).model_copy(update={  # no step, no contract
+                       "out_of_memory_parts": (TimedPart("model", 4.0), TimedPart("the first step, until out of memory", 25.0))}),
                    trial("unknown", None, 5.0, 0.0, None, contract=False), trial("old", "warm", 40.0, None, None)])
     assert spent.median_trial_outside_steps == pytest.approx(4.0)  # of 1, 2, 3, 5, 10 and the OOM's 33
-    assert spent.by_rank_start["kept"].model_dump() == {"trials": 3, "outside_steps": 2.0, "first_step_excess": 2.0}
-    assert spent.by_rank_start["warm"].model_dump() == {"trials": 2, "outside_steps": 21.5, "first_step_excess": 16.0}
+    assert spent.by_rank_start["kept"].model_dump() == {"trials": 3, "outside_steps": 2.0, "first_step_excess": 2.0,
+                                                        "out_of_memory_trials": 0, "out_of_memory_parts": ()}
+    warm = spent.by_rank_start["warm"]
+    assert (warm.trials, warm.outside_steps, warm.first_step_excess) == (2, 21.5, 16.0)
+    # Where the out of memory's seconds went, in the ranks it ran in
+    assert warm.out_of_memory_trials == 1
+    assert warm.out_of_memory_parts == (TimedPart("model", 4.0), TimedPart("the first step, until out of memory", 25.0))
     assert set(spent.by_rank_start) == {"kept", "warm"}
     # Runs recorded before the entry said it themselves: the contract's word.
     assert spend([launched(trial_id="c", device_seconds=3.0, training_device_seconds=2.0, rank_start=None,
@@ -174,6 +180,8 @@ def test_a_trials_step_and_end_events_come_back_typed() -> None:
     assert event.objective == pytest.approx(RECORD.tokens_per_second / 2) and event.evidence.ep_group_size == 2
     end = read_result(end_result(BurstResult("oom", (RECORD,), error="x" * 5000)))
     assert isinstance(end, EndEvent) and end.outcome == "oom" and len(end.error) == 4000 and end.contract is None
+    parts = (TimedPart("model", 1.5), TimedPart("the first step, until out of memory", 20.0))
+    assert read_result(end_result(BurstResult("oom", before_first_step=parts))).before_first_step == parts
     assert read_result({"training_iteration": 3}) is None  # Tune's own results are no events
 
 

@@ -132,19 +132,33 @@ def _rank_main(
         _join_process_group("nccl" if device.type == "cuda" else "gloo", port, rank, world_size)
         try:
             reporter = _RelayedReporter(relay) if relayed and rank == 0 else None
+            called_at = time.perf_counter()
             result = rank_runner(trainable)(request, device, reporter)
             returned_at = time.perf_counter()
         finally:
             ended = _end_process_groups(world_size)
-        if reporter is not None and reporter.last_verdict_at is not None:
-            result = replace(result, teardown=(
-                TimedPart("the trainable's end (its result, release)", round(returned_at - reporter.last_verdict_at, 4)),
-                TimedPart(ended, round(time.perf_counter() - returned_at, 4)),
-            ))
+        # The burst's end begins at the last verdict, or, out of memory before a step, where the
+        # trainable timed the out of memory (its parts add up from its call).
+        end_began_at = (reporter.last_verdict_at if reporter is not None and reporter.last_verdict_at is not None
+                        else called_at + sum(part.seconds for part in result.before_first_step)
+                        if result.before_first_step else None)
+        if end_began_at is not None:
+            result = replace(result, teardown=(*_trainables_end(returned_at - end_began_at, result.release),
+                                               TimedPart(ended, round(time.perf_counter() - returned_at, 4))))
     except Exception:  # noqa: BLE001 - a rank that cannot start reports why instead of an exit code
         result = BurstResult(outcome="failed", error=f"rank {rank} could not start:\n{traceback.format_exc()}")
     Path(out_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
     return functools.partial(_clean_after_burst, rank, device) if result.outcome in KEPT_OUTCOMES else None
+
+
+def _trainables_end(seconds: float, release: tuple[TimedPart, ...]) -> tuple[TimedPart, ...]:
+    """The trainable's end, from the burst's end to its return: its release part by part where it
+    timed it (``release``), and the rest (its result)."""
+    if not release:
+        return (TimedPart("the trainable's end (its result, release)", round(max(0.0, seconds), 4)),)
+    rest = seconds - sum(part.seconds for part in release)
+    return (*(TimedPart(f"release: {part.name}", part.seconds) for part in release),
+            TimedPart("the trainable's end, besides its release", round(max(0.0, rest), 4)))
 
 
 WORLD_KEPT = "the burst's own process groups destroyed, the world's kept"
@@ -256,6 +270,7 @@ def run_local(request: BurstRequest, reporter: Reporter | None = None, trainable
         relays: list[Connection] = []
         stragglers: set[int] = set()
         last_verdict_at: float | None = None
+        forked_at = time.perf_counter()
         try:
             for rank in range(request.world_size):
                 ours, theirs = mp.Pipe()
@@ -291,6 +306,10 @@ def run_local(request: BurstRequest, reporter: Reporter | None = None, trainable
         # the verdict's way, the result file, the process's end (on CUDA, its context's), the zygote's word.
         exit_seconds = exited_at - last_verdict_at - sum(part.seconds for part in merged.teardown)
         merged = replace(merged, teardown=(*merged.teardown, TimedPart("the ranks' exit", round(max(0.0, exit_seconds), 4))))
+    elif merged.before_first_step and merged.teardown:
+        # Out of memory before a step: no verdict came, so from the fork, less all the rank timed.
+        rest = exited_at - forked_at - sum(part.seconds for part in (*merged.before_first_step, *merged.teardown))
+        merged = replace(merged, teardown=(*merged.teardown, TimedPart("the ranks' start and exit", round(max(0.0, rest), 4))))
     return _with_rank_start(merged, start, request.environment)
 
 
@@ -366,4 +385,4 @@ def merge_rank_results(results: list[BurstResult]) -> BurstResult:
     if worst.outcome == primary.outcome:
         return primary
     return BurstResult(outcome=worst.outcome, records=primary.records, contract=primary.contract,
-                       error=worst.error, evidence=primary.evidence)
+                       error=worst.error, evidence=primary.evidence, before_first_step=worst.before_first_step)

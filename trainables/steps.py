@@ -37,22 +37,33 @@ def run_steps(steps: int, train_step: Callable[[int], tuple[StepRecord, bool]], 
 
 
 class BuildClock:
-    """Times a burst's set-up part by part (:class:`~autotune.core.contract.TimedPart`), so a
-    trial's build seconds say where they went. On CUDA each part ends with a device synchronisation:
+    """Times a burst's set-up (or its release) part by part (:class:`~autotune.core.contract.TimedPart`),
+    so a trial's seconds outside its steps say where they went. On CUDA each part ends with a device
+    synchronisation, unless told not to (a release after a failure, whose device may not answer):
     otherwise a part's queued kernels would be charged to the next one."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, synchronize: bool = True) -> None:
         self.device = device
+        self.synchronize = synchronize
         self.phases: list[TimedPart] = []
         self._since = time.perf_counter()
 
     def mark(self, name: str) -> None:
         """The part called ``name`` ends now (it began where the previous one ended)."""
-        if self.device.type == "cuda":
+        if self.synchronize and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         now = time.perf_counter()
         self.phases.append(TimedPart(name, round(now - self._since, 4)))
         self._since = now
+
+    def until(self, ending: str, part: str | None = None) -> tuple[TimedPart, ...]:
+        """The parts timed so far and the one in progress (``part``, by default the one after the
+        last timed), which ended now in ``ending``: where a burst that ended before its first step
+        spent its seconds (it has no step report to send its set-up with). No device
+        synchronisation: the device of a failed burst may not answer."""
+        if part is None:
+            part = f"after {self.phases[-1].name}" if self.phases else "the set-up"
+        return (*self.phases, TimedPart(f"{part}, until {ending}", round(time.perf_counter() - self._since, 4)))
 
 
 class RankRun(Protocol):

@@ -84,6 +84,10 @@ def print_summary(console: Console, loaded: RunReport) -> None:
             + (f", first step +{medians.first_step_excess:.1f} s" if medians.first_step_excess is not None else "")
             + f" ({medians.trials} trial{'s' if medians.trials > 1 else ''})"
             for start, medians in sorted(spent.by_rank_start.items())))
+        for start, medians in sorted(spent.by_rank_start.items()):
+            if medians.out_of_memory_parts:
+                console.print(f"  out of memory before a step in {start} ranks ({medians.out_of_memory_trials}), "
+                              "medians: " + ", ".join(f"{part.name} {part.seconds:.2f} s" for part in medians.out_of_memory_parts))
     for split in loaded.stage_splits[:3]:
         parts = ", ".join(f"{part.removesuffix('_seconds')} {100 * value / split.step_seconds:.0f}%"
                           for part, value in split.parts.items() if split.step_seconds)

@@ -380,6 +380,13 @@ class BurstResult:
     rank_start: RanksStarted | None = None
     """How its ranks started, whatever the outcome: a contract comes only with steps, and what an
     out-of-memory burst cost depends on it (in kept ranks its build, in new ones a process's start)."""
+    release: tuple[TimedPart, ...] = ()
+    """The trainable's release of the burst's objects (its model, graphs, library state), part by
+    part, as the rank timed it: what the teardown's first part spends, where the trainable times it."""
+    before_first_step: tuple[TimedPart, ...] = ()
+    """A burst that ran out of memory before its first step's report: its set-up part by part, then
+    the part it ran out of memory in (its first step, or the build's next part), as the reporting
+    rank timed them. Such a burst has no step to send its set-up with, yet its seconds are its cost."""
 
 
 @dataclass(frozen=True)

@@ -144,6 +144,8 @@ class Ledger:
             first_step_excess=first_step_excess(trial.step_seconds, self.world_size),
             rank_start=trial.end.rank_start if trial.end is not None and trial.end.rank_start is not None
             else (trial.contract.rank_start if trial.contract is not None else None),
+            out_of_memory_parts=self._device_seconds((*trial.end.before_first_step, *trial.end.teardown)
+                                                     if trial.end is not None and trial.end.before_first_step else ()),
             benchmark_only=self.benchmark_only,
             evidence=trial.evidence,
             contract=None if trial.contract is None else trial.contract.model_copy(update={
@@ -171,13 +173,13 @@ class Ledger:
             "between_steps": trial.last_step_at - startup.first_step_at - sum(trial.step_seconds),
             "after_steps": time.time() - trial.last_step_at,
         }
-
-        def device_seconds(parts: tuple[TimedPart, ...]) -> tuple[TimedPart, ...]:
-            return tuple(TimedPart(part.name, round(part.seconds * self.world_size, 3)) for part in parts)
-
         return OutsideSteps(**{part: round(value * self.world_size, 3) for part, value in seconds.items()},
-                            build_phases=device_seconds(startup.build_phases),
-                            after_steps_parts=device_seconds(trial.end.teardown if trial.end is not None else ()))
+                            build_phases=self._device_seconds(startup.build_phases),
+                            after_steps_parts=self._device_seconds(trial.end.teardown if trial.end is not None else ()))
+
+    def _device_seconds(self, parts: tuple[TimedPart, ...]) -> tuple[TimedPart, ...]:
+        """The reporting rank's wall seconds of each part, on every device of the trial."""
+        return tuple(TimedPart(part.name, round(part.seconds * self.world_size, 3)) for part in parts)
 
     def _outcome(self, trial: LiveTrial, errored: bool) -> tuple[EntryOutcome, Cause | None, str]:
         if trial.hung is not None:

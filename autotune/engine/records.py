@@ -162,6 +162,11 @@ class TrialEntry(BaseModel):
     rank_start: RanksStarted | None = None
     """How the trial's ranks started, whatever its outcome (its contract says it only with steps);
     ``None`` where the burst did not end by itself or in runs recorded before it was kept."""
+    out_of_memory_parts: tuple[TimedPart, ...] = ()
+    """A trial out of memory before its first step: where its burst's seconds went, part by part
+    (device-seconds): the reporting rank's set-up, the part it ran out of memory in, its end, then
+    the ranks' start and exit. It has no :attr:`outside_steps`: without a step, the ranks sent no
+    start times."""
     benchmark_only: bool = False
     evidence: Evidence = Evidence()
     contract: Contract | None = None
@@ -221,6 +226,11 @@ class RankStartMedians(BaseModel):
     """The median trial's device-seconds outside its training steps."""
     first_step_excess: float | None
     """The median trial's first-step warm-up; ``None`` where no trial ran two steps."""
+    out_of_memory_trials: int = 0
+    """How many of them ran out of memory before their first step and timed where."""
+    out_of_memory_parts: tuple[TimedPart, ...] = ()
+    """Each part's median over those (:attr:`TrialEntry.out_of_memory_parts`): what an out of memory
+    costs in such ranks, and where (a kept rank's is meant to be its build)."""
 
 
 class Spend(BaseModel):
@@ -261,6 +271,7 @@ def spend(entries: Iterable[TrialEntry]) -> Spend:
     first_step: list[float] = []
     outside_by_start: dict[str, list[float]] = defaultdict(list)
     first_step_by_start: dict[str, list[float]] = defaultdict(list)
+    out_of_memory_by_start: dict[str, list[tuple[TimedPart, ...]]] = defaultdict(list)
     for entry in entries:
         by_stage[entry.stage] += entry.device_seconds
         by_outcome[entry.outcome] += entry.device_seconds
@@ -272,6 +283,8 @@ def spend(entries: Iterable[TrialEntry]) -> Spend:
                     outside_by_start[start].append(outside[-1])
                     if entry.first_step_excess is not None:
                         first_step_by_start[start].append(entry.first_step_excess)
+                    if entry.out_of_memory_parts:
+                        out_of_memory_by_start[start].append(entry.out_of_memory_parts)
             if entry.outside_steps is not None:
                 splits.append(entry.outside_steps)
             if entry.first_step_excess is not None:
@@ -287,7 +300,9 @@ def spend(entries: Iterable[TrialEntry]) -> Spend:
                  by_rank_start={start: RankStartMedians(
                      trials=len(seconds), outside_steps=statistics.median(seconds),
                      first_step_excess=statistics.median(first_step_by_start[start]) if first_step_by_start[start]
-                     else None) for start, seconds in outside_by_start.items()})
+                     else None, out_of_memory_trials=len(out_of_memory_by_start[start]),
+                     out_of_memory_parts=_median_parts(out_of_memory_by_start[start]))
+                     for start, seconds in outside_by_start.items()})
 
 
 def read_trial_entries(lines: Iterable[dict[str, Any]]) -> Iterator[TrialEntry]:

@@ -166,6 +166,9 @@ class EndEvent(BaseModel):
     """From the last step's verdict to the ranks' exit, part by part (see :attr:`BurstResult.teardown`)."""
     rank_start: RanksStarted | None = None
     """How the burst's ranks started (see :attr:`BurstResult.rank_start`)."""
+    before_first_step: tuple[TimedPart, ...] = ()
+    """Where a burst that ran out of memory before its first step spent its seconds (see
+    :attr:`BurstResult.before_first_step`)."""
 
 
 def step_result(report: StepReport, objective: str, world_size: int, trial_began_at: float | None = None
@@ -186,7 +189,8 @@ def step_result(report: StepReport, objective: str, world_size: int, trial_began
 def end_result(result: BurstResult) -> dict[str, Any]:
     event = EndEvent(outcome=result.outcome, error=None if result.error is None else result.error[-4000:],
                      evidence=result.evidence, contract=result.contract, elapsed_seconds=result.elapsed_seconds,
-                     teardown=result.teardown, rank_start=result.rank_start)
+                     teardown=result.teardown, rank_start=result.rank_start,
+                     before_first_step=result.before_first_step)
     return {"event": "end", "payload": event.model_dump_json(exclude_unset=True)}
 
 

@@ -90,6 +90,10 @@ def _spend_table(report: RunReport) -> str:
         if medians.first_step_excess is not None:
             cells += (f"<tr><td>{escape(what)}</td><td>the first step's warm-up</td>"
                       f"{_number(medians.first_step_excess, 2, f'rank_start:{start}:first_step_excess')}</tr>")
+        what = f"out of memory before a step, ranks {start}, median of {medians.out_of_memory_trials} (device-s)"
+        cells += "".join(f"<tr><td>{escape(what)}</td><td>{escape(part.name)}</td>"
+                         f"{_number(part.seconds, 2, escape(f'rank_start:{start}:oom:{part.name}'))}</tr>"
+                         for part in medians.out_of_memory_parts)
     return (f'<table id="spend"><tr><th>split</th><th></th><th>device-hours</th></tr>{cells}'
             f"<tr><td>total</td><td></td>{_number(hours.total, 4, 'total')}</tr></table>")
 

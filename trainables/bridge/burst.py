@@ -333,8 +333,8 @@ def run_rank(request: BurstRequest, device: torch.device, reporter: Reporter | N
         return BurstResult(outcome="failed", error="the bridge trainable needs the campaign's bridge.recipe")
     records: list[StepRecord] = []
     run: BridgeRun | None = None
+    build = BuildClock(device)
     try:
-        build = BuildClock(device)
         go_offline(request.recipe, Path(tempfile.mkdtemp(prefix="hf-offline-")) / "hub")
         os.environ.setdefault("LOCAL_RANK", str(device.index or 0))
         torch.cuda.set_device(device)
@@ -365,6 +365,8 @@ def run_rank(request: BurstRequest, device: torch.device, reporter: Reporter | N
     except RecipeRefused as exc:
         return BurstResult(outcome="failed", error=str(exc))
     except torch.OutOfMemoryError as exc:
-        return BurstResult(outcome="oom", records=tuple(records), error=f"{type(exc).__name__}: {str(exc)[:500]}")
+        # Bridge's pretrain() builds and trains in one call: the part after the last one timed.
+        return BurstResult(outcome="oom", records=tuple(records), error=f"{type(exc).__name__}: {str(exc)[:500]}",
+                           before_first_step=() if records else build.until("out of memory"))
     except Exception:  # noqa: BLE001 - anything else is the outcome `failed`, with the trace
         return BurstResult(outcome="failed", records=tuple(records), error=traceback.format_exc())

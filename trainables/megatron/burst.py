@@ -22,7 +22,7 @@ import random
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -415,36 +415,52 @@ def run_rank(request: BurstRequest, device: torch.device, reporter: Reporter | N
     if request.memory_cap_fraction:
         torch.cuda.set_per_process_memory_fraction(request.memory_cap_fraction, device)
     build.mark("stack check, device")
-    run: MegatronRun | None = None
-    records: list[StepRecord] = []
+    built: list[MegatronRun] = []
     try:
-        run = build_run(request, device, build)
-        outcome = run_steps(request.steps, lambda step, run=run: _train_step(run, step, reporter), records)
-        return BurstResult(outcome=outcome, records=tuple(records), contract=run.contract(), evidence=run.evidence())
-    except InvalidConfig as exc:
-        return BurstResult(outcome="invalid", error=str(exc))
-    except OOM_ERRORS as exc:
-        return BurstResult(outcome="oom", records=tuple(records), error=f"{type(exc).__name__}: {str(exc)[:500]}")
-    except Exception:  # noqa: BLE001 - anything else is the outcome `failed`, with the trace
-        return BurstResult(outcome="failed", records=tuple(records), error=traceback.format_exc())
+        result = _trained(request, device, build, reporter, built)
     finally:
+        release = BuildClock(device, synchronize=False)
         try:
-            _release(run)
+            _release(built[0] if built else None, release)
         except Exception:  # noqa: BLE001 - see below
             # A device-side assert poisons the CUDA context, and the release fails in turn; the
             # burst's own error is the one to report (its process is not reused).
             log.warning("releasing the burst's model and groups failed", exc_info=True)
         # The model, its data-parallel wrapper and the optimizer hold each other (gradient hooks,
-        # the config's sync functions): only the cycle collector frees them, and only once this
-        # frame no longer holds the run. Collected before, they stayed allocated (19.6 GiB after
-        # bring-up on an H100) and the next burst in the process ran out of memory at its build.
-        run = None
+        # the config's sync functions): only the cycle collector frees them, and only once nothing
+        # here holds the run. Collected before, they stayed allocated (19.6 GiB after bring-up on
+        # an H100) and the next burst in the process ran out of memory at its build.
+        built.clear()
         gc.collect()
+        release.mark("objects collected")
         torch.cuda.empty_cache()
+        release.mark("allocator cache emptied")
+    return replace(result, release=tuple(release.phases))
 
 
-def _release(run: MegatronRun | None) -> None:
-    """Free the model, graphs and parallel groups so nothing reaches the caller or a later burst."""
+def _trained(request: BurstRequest, device: torch.device, build: BuildClock, reporter: Reporter | None,
+             built: list[MegatronRun]) -> BurstResult:
+    """Build and train; the run goes into ``built`` as soon as it exists, for the caller to release
+    whatever the outcome."""
+    records: list[StepRecord] = []
+    try:
+        built.append(build_run(request, device, build))
+        outcome = run_steps(request.steps, lambda step: _train_step(built[0], step, reporter), records)
+        return BurstResult(outcome=outcome, records=tuple(records), contract=built[0].contract(),
+                           evidence=built[0].evidence())
+    except InvalidConfig as exc:
+        return BurstResult(outcome="invalid", error=str(exc))
+    except OOM_ERRORS as exc:
+        return BurstResult(outcome="oom", records=tuple(records), error=f"{type(exc).__name__}: {str(exc)[:500]}",
+                           before_first_step=() if records else build.until(
+                               "out of memory", "the first step" if built else None))
+    except Exception:  # noqa: BLE001 - anything else is the outcome `failed`, with the trace
+        return BurstResult(outcome="failed", records=tuple(records), error=traceback.format_exc())
+
+
+def _release(run: MegatronRun | None, clock: BuildClock) -> None:
+    """Free the model, graphs and parallel groups so nothing reaches the caller or a later burst;
+    each part timed on ``clock``."""
     from megatron.core import parallel_state
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
@@ -458,6 +474,7 @@ def _release(run: MegatronRun | None) -> None:
         drop_kept_autograd_graphs(run.model)
     if _CudagraphGlobalRecord.cudagraph_created or _CudagraphGlobalRecord.cudagraph_record:
         delete_cuda_graphs()
+    clock.mark("graphs dropped")
     destroy_num_microbatches_calculator()
     destroy_rerun_state_machine()  # the forward-backward function makes one on first use; it counts iterations
     parallel_state.destroy_model_parallel()
@@ -484,6 +501,7 @@ def _release(run: MegatronRun | None) -> None:
     # capture stream, megatron-core's local graphs to a side stream).
     torch.cuda.graph.default_capture_stream = None
     torch.cuda.set_stream(torch.cuda.default_stream())
+    clock.mark("megatron-core and TE state reset")
 
 
 def drop_kept_autograd_graphs(model: torch.nn.Module) -> None:

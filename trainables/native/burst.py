@@ -118,7 +118,7 @@ class BurstRun:
         }
 
 
-def build_run(request: BurstRequest, device: torch.device) -> BurstRun:
+def build_run(request: BurstRequest, device: torch.device, build: BuildClock) -> BurstRun:
     """The model with recompute, freezing, CUDA graphs, expert and data parallelism applied.
 
     Raises:
@@ -134,7 +134,6 @@ def build_run(request: BurstRequest, device: torch.device) -> BurstRun:
     if config.cuda_graph_impl != "none" and device.type != "cuda":
         raise InvalidConfig(f"cuda_graph_impl={config.cuda_graph_impl} needs a CUDA device; this rank runs on "
                             f"{device.type}")
-    build = BuildClock(device)
     batches = rank_loader(request, rank, world)
     build.mark("data loader")
     torch.manual_seed(request.seed)  # identical initial weights on every rank
@@ -178,24 +177,32 @@ def run_rank(request: BurstRequest, device: torch.device, reporter: Reporter | N
     """
     if device.type == "cuda" and request.memory_cap_fraction:
         torch.cuda.set_per_process_memory_fraction(request.memory_cap_fraction, device)
+    build = BuildClock(device)
     try:
-        run = build_run(request, device)
+        run = build_run(request, device, build)
     except InvalidConfig as exc:
         return _release(BurstResult(outcome="invalid", error=str(exc)), device)
     except OOM_ERRORS as exc:
-        return _release(BurstResult(outcome="oom", error=f"{type(exc).__name__}: {exc}"), device)
+        return _release(BurstResult(outcome="oom", error=f"{type(exc).__name__}: {exc}",
+                                    before_first_step=build.until("out of memory")), device)
     except Exception:  # noqa: BLE001 - setup failures are outcomes too, never a crash of the caller
         return _release(BurstResult(outcome="failed", error=traceback.format_exc()), device)
 
     records: list[StepRecord] = []
+
+    def first_step_until_out_of_memory() -> tuple[TimedPart, ...]:
+        return () if records else build.until("out of memory", "the first step")
+
     try:
         with _cpu_memory_cap(device, request.cpu_memory_cap_bytes):
             outcome = run_steps(request.steps, lambda step: _train_step(run, step, reporter), records)
     except OOM_ERRORS as exc:
-        return _release(BurstResult(outcome="oom", records=tuple(records), error=f"{type(exc).__name__}: {exc}"), device)
+        return _release(BurstResult(outcome="oom", records=tuple(records), error=f"{type(exc).__name__}: {exc}",
+                                    before_first_step=first_step_until_out_of_memory()), device)
     except RuntimeError as exc:
         if CPU_ALLOCATION_FAILURE in str(exc):
-            return BurstResult(outcome="oom", records=tuple(records), error=str(exc).splitlines()[0])
+            return BurstResult(outcome="oom", records=tuple(records), error=str(exc).splitlines()[0],
+                               before_first_step=first_step_until_out_of_memory())
         return BurstResult(outcome="failed", records=tuple(records), error=traceback.format_exc())
     except Exception:  # noqa: BLE001 - the contract turns anything else into `failed`, with the trace
         return BurstResult(outcome="failed", records=tuple(records), error=traceback.format_exc())
