@@ -518,7 +518,8 @@ def test_gpu_a_kept_rank_runs_bring_up_after_a_te_graph_burst_as_a_new_process_d
     assert results[2].teardown[-2].name == launch.WORLD_KEPT
     # The trainable's end, split where it timed its release
     assert [part.name for part in results[2].release] == [
-        "graphs dropped", "megatron-core and TE state reset", "objects collected", "allocator cache emptied"]
-    assert results[2].teardown[0].name == "release: graphs dropped"
+        "data loader's workers ended", "graphs dropped", "megatron-core and TE state reset", "objects collected",
+        "allocator cache emptied"]
+    assert results[2].teardown[0].name == "release: data loader's workers ended"
     assert len(results[2].records) == len(from_new.records)
     assert max(abs(kept.loss - new.loss) for kept, new in zip(results[2].records, from_new.records)) <= 0.01

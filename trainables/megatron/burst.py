@@ -469,6 +469,12 @@ def _release(run: MegatronRun | None, clock: BuildClock) -> None:
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     if run is not None:
+        # The loader's workers end here, timed, rather than whenever the collector reaches the
+        # iterator (what its own ``__del__`` calls; an iterator without workers has none).
+        end_workers = getattr(run.batches, "_shutdown_workers", None)
+        if end_workers is not None:
+            end_workers()
+        clock.mark("data loader's workers ended")
         if run.te_graphs is not None:
             run.te_graphs.delete()
         drop_kept_autograd_graphs(run.model)
