@@ -249,18 +249,16 @@ class MemoryModel:
         micro-batch size: the counted static bytes plus what that peak held beyond its own, scaled by
         the ratio of the activation counts. The framework's base is scaled with the activations, so
         a larger micro-batch is overstated (by up to 71 % on the H200 table, understated by at most
-        19 %); ``None`` without such a peak: a count alone is too far from a peak to reject on."""
+        19 %); ``None`` without such a peak: a count alone is too far from a peak to reject on, and a
+        peak of another config is too (scaled across recompute, freezing and graphs, a peak misses by
+        up to 5.4× on the H200 table: ``bench/memory_model.py``'s ``one_peak_scaling``)."""
         terms = self.terms(config)
-
-        def activations(counted: MemoryTerms) -> float:
-            return max(counted.decoder_activations + counted.vision_activations, 1.0)
-
         twins = [observation for seen, observation in zip(self.observed_configs, self.observations)
                  if all(seen[name] == config[name] for name in KNOBS if name != "micro_batch_size")]
         if not twins:
             return None
-        reference, peak = min(twins, key=lambda twin: abs(np.log(activations(twin[0]) / activations(terms))))
-        return terms.static + max(0.0, peak - reference.static) * activations(terms) / activations(reference)
+        reference, peak = min(twins, key=lambda twin: abs(np.log(_activations(twin[0]) / _activations(terms))))
+        return scale_peak(terms, reference, peak)
 
     def rejection(self, config: Config) -> str | None:
         """Why ``config`` surely exceeds the limit, or ``None``: from the calibrated model beyond its
@@ -280,3 +278,13 @@ class MemoryModel:
                 return (f"the memory model predicts {predicted / 2**30:.2f} GiB per device (±{100 * error:.0f} %, "
                         f"{source}), over the {self.limit_bytes / 2**30:.2f} GiB limit")
         return None
+
+
+def _activations(counted: MemoryTerms) -> float:
+    return max(counted.decoder_activations + counted.vision_activations, 1.0)
+
+
+def scale_peak(terms: MemoryTerms, reference: MemoryTerms, peak: float) -> float:
+    """A config's peak bytes from another's ``peak``: its counted static bytes plus what that peak
+    held beyond the other's static bytes, scaled by the ratio of their activation counts."""
+    return terms.static + max(0.0, peak - reference.static) * _activations(terms) / _activations(reference)
