@@ -285,6 +285,9 @@ def test_an_oom_is_recorded_once_and_configs_that_need_more_memory_never_launch(
     assert ooms[0].steps == 0 and parts[out_of_memory + 1] == "the trainable's end (its result, release)"
     assert parts[-1] == "the ranks' start and exit" and all(part.seconds >= 0 for part in ooms[0].out_of_memory_parts)
     assert "out of memory before a step in" in autotune("report", str(only_run_dir(tmp_path)), env=cache_env).stdout
+    start = ooms[0].rank_start
+    page = (only_run_dir(tmp_path) / "report.html").read_text()
+    assert f'data-field="rank_start:{start}:oom:the first step, until out of memory"' in page
     predicted = [e for e in records if e.outcome == "oom_predicted"]
     assert predicted and all(not e.launched and e.device_seconds == 0 and e.cause == "oom_dominance" for e in predicted)
     import optuna
