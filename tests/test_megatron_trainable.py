@@ -46,6 +46,54 @@ def model_parallel():
     dist.destroy_process_group()
 
 
+KEPT_GROUPS_SCENARIO = """
+import json, socket
+import torch.distributed as dist
+from autotune.core.knobs import complete_config
+from trainables import launch
+from trainables.megatron.burst import parallel_groups
+
+def port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+def groups():
+    return set(dist.distributed_c10d._world.pg_map)
+
+config, seen = complete_config({}), {}
+launch._join_process_group("gloo", port(), 0, 1)
+seen["first"] = parallel_groups(config)
+made = groups()
+seen["end"] = launch._end_process_groups(1)
+seen["groups_kept"] = groups() == made
+launch._join_process_group("gloo", port(), 0, 1)  # a kept rank's next burst: the same world
+seen["second"] = parallel_groups(config)
+seen["the_same_groups"] = groups() == made
+launch._end_process_groups(2)  # a world of more ranks ends whole: the kept groups go with it
+launch._join_process_group("gloo", port(), 0, 1)
+seen["after_a_new_world"] = parallel_groups(config)
+seen["new_groups"] = len(groups()) == len(made) and not groups() & made
+print(json.dumps(seen))
+"""
+
+
+def test_a_kept_rank_of_one_keeps_megatrons_parallel_groups_for_its_next_burst() -> None:
+    """Destroying megatron-core's twenty one-rank groups took 0.57-0.80 s of a kept trial's end on an
+    H100: in a world of one (a single layout) the next burst takes them as they are. Once the world
+    itself ends, they went with it, and the next burst makes its own in the new one."""
+    import json
+    import subprocess
+    import sys
+
+    ran = subprocess.run([sys.executable, "-c", KEPT_GROUPS_SCENARIO], capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    seen = json.loads(ran.stdout.strip().splitlines()[-1])
+    assert seen == {"first": "parallel groups", "end": "the burst's own process groups destroyed, the world's kept",
+                    "groups_kept": True, "second": "parallel groups, kept from the last burst", "the_same_groups": True,
+                    "after_a_new_world": "parallel groups", "new_groups": True}
+
+
 def build_on_meta(preset: str, overrides: dict | None = None, **knobs):
     from trainables.megatron.config_mapping import build_transformer_config
     from trainables.megatron.model import PORTABLE_FIELDS, MegatronMoEVLM
@@ -504,7 +552,14 @@ def test_gpu_a_kept_rank_runs_bring_up_after_a_te_graph_burst_as_a_new_process_d
     addresses = [str(tmp_path / "kept.sock"), str(tmp_path / "new.sock")]
     zygotes = [start_rank_zygote(address, "megatron") for address in addresses]
     try:
-        results = [run_local(request, reporter=lambda report: True, trainable="megatron", warm_ranks=addresses[0])
+        builds: list[list[str]] = []
+
+        def reporter(report) -> bool:
+            if report.build_phases:
+                builds.append([part.name for part in report.build_phases])
+            return True
+
+        results = [run_local(request, reporter=reporter, trainable="megatron", warm_ranks=addresses[0])
                    for request in (bring_up, te_graphs, bring_up)]
         from_new = run_local(bring_up, reporter=lambda report: True, trainable="megatron", warm_ranks=addresses[1])
     finally:
@@ -516,6 +571,9 @@ def test_gpu_a_kept_rank_runs_bring_up_after_a_te_graph_burst_as_a_new_process_d
     assert [result.contract.rank_start for result in (*results, from_new)] == ["warm", "kept", "kept", "warm"]
     assert results[1].evidence.checks["cuda_graph_impl"], results[1].evidence
     assert results[2].teardown[-2].name == launch.WORLD_KEPT
+    # megatron-core's groups made once, then kept with the world
+    assert [next(part for part in build if part.startswith("parallel groups")) for build in builds] == [
+        "parallel groups", "parallel groups, kept from the last burst", "parallel groups, kept from the last burst"]
     # The trainable's end, split where it timed its release
     assert [part.name for part in results[2].release] == [
         "data loader's workers ended", "graphs dropped", "megatron-core and TE state reset", "objects collected",

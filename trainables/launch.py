@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, TypeVar
 from autotune.core.contract import BurstRequest, BurstResult, RankStart, RanksStarted, Reporter, StepReport, TimedPart
 from autotune.core.errors import AutotuneError
 from autotune.core.registry import rank_runner, start_rank_zygote, trainable_support
+from trainables import kept_groups
 from trainables.zygote import Zygote, ZygoteChild
 
 if TYPE_CHECKING:
@@ -177,6 +178,7 @@ def _join_process_group(backend: str, port: int, rank: int, world_size: int) -> 
         if world_size == 1 and dist.get_world_size() == 1 and dist.get_backend() == backend:
             return
         dist.destroy_process_group()
+        kept_groups.forget()  # they went with the world
     dist.init_process_group(
         backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=RANK_TIMEOUT
     )
@@ -185,23 +187,26 @@ def _join_process_group(backend: str, port: int, rank: int, world_size: int) -> 
 def _end_process_groups(world_size: int) -> str:
     """End what the burst made of the process groups; what was done, for the teardown's part.
 
-    A one-rank world stays for the process's next burst (a kept rank), the groups the trainable
-    made in it (megatron-core's parallel groups, which its own teardown only forgets) do not: kept,
-    they would add up burst after burst, each NCCL one with its communicator."""
+    A one-rank world stays for the process's next burst (a kept rank), and so do the groups the
+    trainable keeps for its next burst there (:mod:`trainables.kept_groups`); the other groups it
+    made in it do not: kept, they would add up burst after burst, each NCCL one with its communicator."""
     import torch.distributed as dist
 
     if not dist.is_initialized():  # the trainable ended it itself
+        kept_groups.forget()
         return WORLD_DESTROYED
     if world_size == 1:
         try:
+            spared = kept_groups.kept()
             for group in list(dist.distributed_c10d._world.pg_map):
-                if group is not dist.GroupMember.WORLD:
+                if group is not dist.GroupMember.WORLD and group not in spared:
                     dist.destroy_process_group(group)
             return WORLD_KEPT
         except Exception:  # noqa: BLE001 - the burst's result stands; the world goes as it did before
             log.warning("a process group the burst made could not be destroyed: destroying the world instead",
                         exc_info=True)
     dist.destroy_process_group()
+    kept_groups.forget()
     return WORLD_DESTROYED
 
 

@@ -41,6 +41,7 @@ from autotune.core.contract import (
     TimedPart,
 )
 from autotune.core.knobs import Config
+from trainables import kept_groups
 from trainables.data.loader import MicroBatch, rank_loader
 from trainables.graph_replays import CountedGraph, count_graphs_of
 from trainables.megatron.graph_scope import GraphScopeWatch
@@ -266,15 +267,7 @@ def build_run(request: BurstRequest, device: torch.device, build: BuildClock) ->
     with _invalid_on_rejection("megatron-core rejected the config"):
         decoder_config = build_transformer_config(config, request.model, extra=kernels)
         ddp_config = build_ddp_config(config)
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=config.tensor_model_parallel_size,
-            pipeline_model_parallel_size=config.pipeline_model_parallel_size,
-            virtual_pipeline_model_parallel_size=config.virtual_pipeline_model_parallel_size,
-            context_parallel_size=config.context_parallel_size,
-            expert_model_parallel_size=config.expert_model_parallel_size,
-            expert_tensor_parallel_size=config.expert_tensor_parallel_size,
-        )
-    build.mark("parallel groups")
+        build.mark(parallel_groups(config))
     # As Megatron-LM: with any CUDA graphs, TE's RNG tracker where TE is installed (its graphs
     # register only its own generators), megatron-core's graph-safe one otherwise.
     graphs = config.cuda_graph_impl != "none"
@@ -339,6 +332,32 @@ def build_run(request: BurstRequest, device: torch.device, build: BuildClock) ->
     if use_te:
         _observe_fp8_on_first_step(run)
     return run
+
+
+def parallel_groups(config: Config) -> str:
+    """megatron-core's parallel groups for the burst: in a world of one, those the last burst of
+    this process made where it kept them (:mod:`trainables.kept_groups`; a world of one has a single
+    layout, every size 1), else made now, and kept for the next burst in a world of one. Returns
+    what was done, for the build's part."""
+    from megatron.core import parallel_state
+
+    one_rank = dist.get_world_size() == 1
+    if one_rank and kept_groups.kept() and parallel_state.model_parallel_is_initialized():
+        return "parallel groups, kept from the last burst"
+    if parallel_state.model_parallel_is_initialized():  # its groups went with an earlier world
+        parallel_state.destroy_model_parallel()
+    made_before = set(dist.distributed_c10d._world.pg_map)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=config.tensor_model_parallel_size,
+        pipeline_model_parallel_size=config.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=config.virtual_pipeline_model_parallel_size,
+        context_parallel_size=config.context_parallel_size,
+        expert_model_parallel_size=config.expert_model_parallel_size,
+        expert_tensor_parallel_size=config.expert_tensor_parallel_size,
+    )
+    if one_rank:
+        kept_groups.keep(set(dist.distributed_c10d._world.pg_map) - made_before)
+    return "parallel groups"
 
 
 def _seed_every_generator(seed: int) -> None:
@@ -483,7 +502,8 @@ def _release(run: MegatronRun | None, clock: BuildClock) -> None:
     clock.mark("graphs dropped")
     destroy_num_microbatches_calculator()
     destroy_rerun_state_machine()  # the forward-backward function makes one on first use; it counts iterations
-    parallel_state.destroy_model_parallel()
+    if not kept_groups.kept():  # kept, they stay megatron-core's for the next burst
+        parallel_state.destroy_model_parallel()
     # Module-level state that outlives a model: the rotary table's cache keys on the module (and
     # holds its CUDA tables), the MoE metrics tracker on the layers' metrics, the auxiliary loss's
     # backward scale is a CUDA tensor, and TE's FP8 state holds its amax buffers and process group.
