@@ -50,6 +50,21 @@ def test_the_walk_finds_the_largest_micro_batch_that_fits_then_relaxes_recompute
     assert frontier.next(BRING_UP, results, set()) == "done"
 
 
+def test_once_an_option_of_a_level_pays_the_walk_goes_on_to_the_lighter_level() -> None:
+    """One option of a level that beats the best above it is the level's answer: the next screen
+    relaxes further rather than run its siblings (on the CPU demo's memory table a screen saved,
+    the median seed's spend to 98 % of the best 0.202 of the grid before, 0.192 after)."""
+    frontier = MemoryFrontier(H200, H200.configs())
+    results = {at(4, "full"): Result("ok", 100.0), at(4, "selective", "core_attn", "moe"): Result("ok", 120.0)}
+    results[at(8, "full")] = Result("oom", None)
+    first = frontier.next(BRING_UP, results, set())
+    assert first in {at(4, "selective", "core_attn"), at(4, "selective", "moe")}
+    results[first] = Result("ok", 125.0)
+    assert frontier.next(BRING_UP, results, set()) == at(4, "none")
+    results[first] = Result("ok", 119.0)  # had it not paid, its sibling would run
+    assert frontier.next(BRING_UP, results, set()) in {at(4, "selective", "core_attn"), at(4, "selective", "moe")} - {first}
+
+
 def test_a_config_that_cannot_run_moves_the_walk_to_the_next_saving_at_the_same_micro_batch() -> None:
     frontier = MemoryFrontier(H200, H200.configs())
     graphed = at(1, "selective", "core_attn", graphs="local", frozen=False)
