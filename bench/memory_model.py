@@ -21,7 +21,7 @@ import statistics
 from pathlib import Path
 
 from autotune.campaign import load_campaign
-from autotune.core.tables import load_table
+from autotune.core.tables import RecordedTable, load_table
 from autotune.memory_model import MemoryModel, scale_peak
 from autotune.search_benchmark import recorded_counted_memory, recorded_workload
 
@@ -85,7 +85,7 @@ def main() -> None:
 ONE_PEAK_MARGINS = (0.25, 0.5, 1.0)
 
 
-def one_peak_scaling(model: MemoryModel, table, limit: float) -> dict:
+def one_peak_scaling(model: MemoryModel, table: RecordedTable, limit: float) -> dict:
     """Every ordered pair of an ok row (the one peak) and another row: the scaled prediction
     against the other row's peak, and the rejections it would make at each margin."""
     finished = [(config, row) for config, row in table.rows.items() if row.outcome in ("ok", "oom")]
