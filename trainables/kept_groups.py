@@ -26,5 +26,5 @@ def kept() -> frozenset[Any]:
 
 
 def forget() -> None:
-    """The trainable no longer holds them: the end of the next burst destroys them as its own."""
+    """They went with the world that held them (destroyed): nothing is kept any more."""
     _kept.clear()

@@ -160,8 +160,9 @@ class TrialEntry(BaseModel):
     process pays inside its steps (kernels loaded on first use, library handles and plans, the
     allocator's growth, the loader's first batch). ``None`` with fewer than two steps."""
     rank_start: RanksStarted | None = None
-    """How the trial's ranks started, whatever its outcome (its contract says it only with steps);
-    ``None`` where the burst did not end by itself or in runs recorded before it was kept."""
+    """How the trial's ranks started, whatever its outcome (its contract says it only with steps):
+    the burst's end says it, or, for a trial stopped before its end, its contract; ``None`` in runs
+    recorded before it was kept (:attr:`ranks_started` reads their contracts)."""
     out_of_memory_parts: tuple[TimedPart, ...] = ()
     """A trial out of memory before its first step: where its burst's seconds went, part by part
     (device-seconds): the reporting rank's set-up, the part it ran out of memory in, its end, then
