@@ -23,6 +23,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass, field, replace
+from types import ModuleType
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -502,8 +503,10 @@ def _release(run: MegatronRun | None, clock: BuildClock) -> None:
     clock.mark("graphs dropped")
     destroy_num_microbatches_calculator()
     destroy_rerun_state_machine()  # the forward-backward function makes one on first use; it counts iterations
-    if not kept_groups.kept():  # kept, they stay megatron-core's for the next burst
+    if not kept_groups.kept():
         parallel_state.destroy_model_parallel()
+    else:  # kept, they stay megatron-core's for the next burst, but not what its layers cached beside them
+        _empty_global_memory_buffer(parallel_state)
     # Module-level state that outlives a model: the rotary table's cache keys on the module (and
     # holds its CUDA tables), the MoE metrics tracker on the layers' metrics, the auxiliary loss's
     # backward scale is a CUDA tensor, and TE's FP8 state holds its amax buffers and process group.
@@ -526,8 +529,20 @@ def _release(run: MegatronRun | None, clock: BuildClock) -> None:
     # Back on the default stream, as a new process starts (TE graphs move the burst to their
     # capture stream, megatron-core's local graphs to a side stream).
     torch.cuda.graph.default_capture_stream = None
-    torch.cuda.set_stream(torch.cuda.default_stream())
+    if torch.cuda.is_initialized():
+        torch.cuda.set_stream(torch.cuda.default_stream())
     clock.mark("megatron-core and TE state reset")
+
+
+def _empty_global_memory_buffer(parallel_state: ModuleType) -> None:
+    """A new, empty global memory buffer for megatron-core's layers, as ``destroy_model_parallel``
+    and ``initialize_model_parallel`` leave it. Its tensors (attention's matmul input, the
+    all-gather buffers) grow to the largest shape a burst asked for and outlive it. Once the groups
+    were kept and ``destroy_model_parallel`` no longer ran, a kept rank's check found 190 MiB still
+    allocated after bring-up and 698 MiB after a TE-graph burst on an H100 (2026-12-06) and
+    replaced the rank; the buffer is the device memory that call freed besides the groups."""
+    parallel_state.destroy_global_memory_buffer()
+    parallel_state._set_global_memory_buffer()
 
 
 def drop_kept_autograd_graphs(model: torch.nn.Module) -> None:
