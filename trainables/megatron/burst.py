@@ -23,7 +23,6 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass, field, replace
-from types import ModuleType
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -506,7 +505,7 @@ def _release(run: MegatronRun | None, clock: BuildClock) -> None:
     if not kept_groups.kept():
         parallel_state.destroy_model_parallel()
     else:  # kept, they stay megatron-core's for the next burst, but not what its layers cached beside them
-        _empty_global_memory_buffer(parallel_state)
+        _empty_global_memory_buffer()
     # Module-level state that outlives a model: the rotary table's cache keys on the module (and
     # holds its CUDA tables), the MoE metrics tracker on the layers' metrics, the auxiliary loss's
     # backward scale is a CUDA tensor, and TE's FP8 state holds its amax buffers and process group.
@@ -534,13 +533,15 @@ def _release(run: MegatronRun | None, clock: BuildClock) -> None:
     clock.mark("megatron-core and TE state reset")
 
 
-def _empty_global_memory_buffer(parallel_state: ModuleType) -> None:
+def _empty_global_memory_buffer() -> None:
     """A new, empty global memory buffer for megatron-core's layers, as ``destroy_model_parallel``
     and ``initialize_model_parallel`` leave it. Its tensors (attention's matmul input, the
     all-gather buffers) grow to the largest shape a burst asked for and outlive it. Once the groups
     were kept and ``destroy_model_parallel`` no longer ran, a kept rank's check found 190 MiB still
     allocated after bring-up and 698 MiB after a TE-graph burst on an H100 (2026-12-06) and
     replaced the rank; the buffer is the device memory that call freed besides the groups."""
+    from megatron.core import parallel_state
+
     parallel_state.destroy_global_memory_buffer()
     parallel_state._set_global_memory_buffer()
 
