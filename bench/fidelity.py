@@ -10,12 +10,25 @@ The long table holds long runs of configs that ran ok in the table (``bench/reco
 30-step row, say: memory that grows with the data's shapes) is a screening miss: it is listed and
 counted outside the tolerance. Target: within +-3 % for at least 90 % of the configs. Prints the
 table, writes JSON with the contract.
+
+Beside that share, what bounds it and what the search needs from it:
+
+- ``ranking``: the share of config pairs the screens put in the order their long runs do (all pairs,
+  and those whose long runs differ by more than twice the tolerance), and the long run of the
+  config screened best over the best long run. The search promotes by order, not by value.
+- ``same_process``: each long run's own first steps screened as the scheduler would, against that
+  run's steady value. Its error is the run's own warm-up drift and step noise, with no second
+  process in it: a screen in a separate process cannot be expected to do better.
+- ``between_processes`` (``--repeat``: a second set of long runs of the same configs, recorded with
+  ``--ok-in LONG``): each config's two long runs against each other, the spread between fresh
+  processes that no screen, however long, removes.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import platform
 from pathlib import Path
@@ -25,6 +38,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from autotune.campaign import load_campaign
+from autotune.core.knobs import Config
 from autotune.core.steady import steady_state
 from autotune.core.tables import RecordedBurst, TableError, load_table
 from autotune.search.screening import screen
@@ -48,16 +62,53 @@ def screened_estimate(row: RecordedBurst, screen_steps: int, warmup_steps: int, 
     return decision.estimate.mean, steps
 
 
+def share_within(errors: list[float | None], judged: int) -> float:
+    """The share of ``judged`` configs whose relative error is within the tolerance (``None``: no
+    estimate, a miss)."""
+    return sum(error is not None and abs(error) <= TOLERANCE for error in errors) / judged if judged else 0.0
+
+
+def ranking(rows: list[dict]) -> dict:
+    """How well the screens order the configs: pairs ordered as their long runs order them (all
+    pairs, and those whose long runs differ by more than twice the tolerance, which screens within
+    the tolerance could not misorder), and what the config screened best ran at over the best."""
+    pairs = list(itertools.combinations(rows, 2))
+    apart = [(a, b) for a, b in pairs if abs(a["long_run"] / b["long_run"] - 1) > 2 * TOLERANCE]
+
+    def ordered(among: list[tuple[dict, dict]]) -> int:
+        return sum((a["screened"] - b["screened"]) * (a["long_run"] - b["long_run"]) > 0 for a, b in among)
+
+    screened_best = max(rows, key=lambda r: r["screened"]) if rows else None
+    return {"pairs": len(pairs), "ordered_as_long_runs": ordered(pairs),
+            "pairs_apart_over_twice_tolerance": len(apart), "ordered_of_those": ordered(apart),
+            "screened_best_long_run_over_best": screened_best["long_run"] / max(r["long_run"] for r in rows)
+            if screened_best else None}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--table", type=Path, required=True, help="the screening table")
     parser.add_argument("--long", type=Path, required=True, help="long runs of some of its configs")
+    parser.add_argument("--repeat", type=Path, default=None,
+                        help="second long runs of the same configs (fresh processes): the spread between processes")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     table, long = load_table(args.table), load_table(args.long)
     campaign = load_campaign(Path(next(iter(table.rows.values())).contract["campaign"]))
     stages = campaign.spec.stages
+    long_runs = {config: row for config, row in long.rows.items() if row.outcome == "ok"}
+    for config, row in long_runs.items():
+        if len(row.step_seconds) < LONG_RUN_STEPS:
+            raise TableError(f"{args.long}: {config.describe()} ran {len(row.step_seconds)} steps, not >= {LONG_RUN_STEPS}")
+    steady = {config: steady_state(row.throughput, min_warmup=stages.warmup_steps) for config, row in long_runs.items()}
+
+    def error(screened_from: RecordedBurst, config: Config, length: int) -> float | None:
+        """The screen cut at ``length`` steps of ``screened_from`` against the config's long run."""
+        screened = screened_estimate(screened_from, length, stages.warmup_steps, stages.target_relative_half_width)
+        return screened[0] / steady[config].mean - 1 if screened is not None else None
+
     rows, failed_later = [], []
+    screened_configs: list[Config] = []
     for config, long_row in long.rows.items():
         screened_row = table.row(config)
         if long_row.outcome != "ok":
@@ -67,32 +118,38 @@ def main() -> None:
                                  "screened_peak_memory_gib": screened_row.peak_memory_gib,
                                  "long_run_peak_memory_gib": long_row.peak_memory_gib})
             continue
-        if len(long_row.step_seconds) < LONG_RUN_STEPS:
-            raise TableError(f"{args.long}: {config.describe()} ran {len(long_row.step_seconds)} steps, "
-                             f"not >= {LONG_RUN_STEPS}")
-        truth = steady_state(long_row.throughput, min_warmup=stages.warmup_steps)
+        truth = steady[config]
         screened = screened_estimate(screened_row, stages.screen_steps, stages.warmup_steps,
                                      stages.target_relative_half_width)
         if screened is None:
             continue
         estimate, steps = screened
+        screened_configs.append(config)
         rows.append({"config": config.to_plain(), "describe": config.describe(), "screen_steps": steps,
                      "screened": estimate, "long_run": truth.mean, "long_run_steady_steps": truth.window,
                      "relative_error": estimate / truth.mean - 1})
     within = sum(abs(r["relative_error"]) <= TOLERANCE for r in rows)
     judged = len(rows) + len(failed_later)
     # What a longer screen would buy: the same share had the campaign screened L steps.
-    by_screen_length = {}
-    for length in SCREEN_LENGTHS:
-        hits = 0
-        for r in rows:
-            config = next(c for c in long.rows if c.to_plain() == r["config"])
-            longer = screened_estimate(table.row(config), length, stages.warmup_steps, stages.target_relative_half_width)
-            hits += longer is not None and abs(longer[0] / r["long_run"] - 1) <= TOLERANCE
-        by_screen_length[length] = hits / judged if judged else 0.0
+    by_screen_length = {length: share_within([error(table.row(config), config, length) for config in screened_configs], judged)
+                        for length in SCREEN_LENGTHS}
+    # The same screens cut from each long run itself: its drift and noise, one process.
+    same_process = {length: share_within([error(row, config, length) for config, row in long_runs.items()], len(long_runs))
+                    for length in SCREEN_LENGTHS}
+    between_processes = None
+    if args.repeat is not None:
+        repeats = {config: row for config, row in load_table(args.repeat).rows.items() if config in long_runs}
+        differences = {config: steady_state(row.throughput, min_warmup=stages.warmup_steps).mean / steady[config].mean - 1
+                       if row.outcome == "ok" else None for config, row in repeats.items()}
+        between_processes = {
+            "configs": len(differences), "within_tolerance_share": share_within(list(differences.values()), len(differences)),
+            "relative_differences": [{"describe": config.describe(), "repeat_outcome": repeats[config].outcome,
+                                      "relative_difference": difference} for config, difference in differences.items()],
+        }
+    repeat_flag = f" --repeat {args.repeat}" if args.repeat is not None else ""
     result = {
         "benchmark": "fidelity",
-        "command": f"python bench/fidelity.py --table {args.table} --long {args.long} --out {args.out}",
+        "command": f"python bench/fidelity.py --table {args.table} --long {args.long}{repeat_flag} --out {args.out}",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"python": platform.python_version(), "platform": platform.platform()},
         "recorded_on": next(iter(long.rows.values())).contract.get("stack"),
@@ -105,6 +162,9 @@ def main() -> None:
         "rows": rows,
         "failed_later": failed_later,
         "within_tolerance_share_by_screen_steps": by_screen_length,
+        "ranking": ranking(rows),
+        "same_process": {"configs": len(long_runs), "within_tolerance_share_by_screen_steps": same_process},
+        "between_processes": between_processes,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
@@ -122,6 +182,15 @@ def main() -> None:
     console.print(view)
     console.print("within ±3 % had screens run L steps: " +
                   ", ".join(f"L={length}: {share:.0%}" for length, share in by_screen_length.items()))
+    console.print("the long runs' own first L steps within ±3 % of their steady value (one process): " +
+                  ", ".join(f"L={length}: {share:.0%}" for length, share in same_process.items()))
+    order = result["ranking"]
+    console.print(f"pairs the screens order as the long runs do: {order['ordered_as_long_runs']}/{order['pairs']}; "
+                  f"of those apart by more than ±{200 * TOLERANCE:.0f} %: "
+                  f"{order['ordered_of_those']}/{order['pairs_apart_over_twice_tolerance']}")
+    if between_processes is not None:
+        console.print(f"two long runs of one config in fresh processes within ±3 % of each other: "
+                      f"{between_processes['within_tolerance_share']:.0%} of {between_processes['configs']}")
 
 
 if __name__ == "__main__":
