@@ -20,13 +20,14 @@ burst of the same config forks them from a zygote started for it, paying the imp
 only) their warm start-up from a one-step burst each.
 
 What a burst in kept ranks pays is recorded too (``kept_startup_seconds``, ``kept_first_step_seconds``),
-in a pass over the rows that ran ok once the recording's bursts are done (``--add-kept-startup`` runs
-only that pass on an existing table): a short burst of each row's config runs in the rank processes
-the row before's short burst kept, as a campaign's screen after a healthy one runs. Not between the
-rows' own bursts: those start new rank processes and keep none. Where the row before left none (the
-first row, one whose short burst failed), the burst runs a second time, in the ranks its first run
-kept. Only a burst whose contract says ``rank_start: kept`` gives figures. Ranks are never kept under
-a CPU memory cap or for a trainable that needs new processes (Bridge): there the pass is skipped.
+in a pass over the rows that ran ok, out of memory or invalid, once the recording's bursts are done
+(``--add-kept-startup`` runs only that pass on an existing table): a short burst of each row's config
+runs in the rank processes the row before's short burst kept, as a campaign's screen after a healthy
+one runs. Not between the rows' own bursts: those start new rank processes and keep none. Where the
+row before left none (the first row, one that ran out of memory), a config that ran ok runs first to
+keep them (the row's own, if it ran ok) and the burst runs again. Only a burst that says it ran in
+kept ranks (``rank_start: kept``) gives figures. Ranks are never kept under a CPU memory cap or for a
+trainable that needs new processes (Bridge): there the pass is skipped.
 """
 
 from __future__ import annotations
@@ -34,8 +35,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import itertools
 import os
 import random
+import statistics
 import subprocess
 import tempfile
 import time
@@ -80,6 +83,9 @@ def timed_burst(trainable: str, request: BurstRequest, address: str) -> tuple[Bu
 
 KEPT_STEPS = 2
 """A kept burst's steps: its first (most of what a kept rank saves is there) and one more."""
+KEPT_MEASURED = ("ok", "oom", "invalid")
+"""The rows the kept pass measures: every outcome a campaign meets in kept ranks but a failure, whose
+cost depends on how it failed."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,20 +94,23 @@ class KeptBurst:
     first_step_seconds: float | None
 
 
-def kept_burst(trainable: str, request: BurstRequest, address: str) -> KeptBurst | None:
+def kept_burst(trainable: str, request: BurstRequest, address: str, primer: BurstRequest | None) -> KeptBurst | None:
     """Start-up and first step of a short burst of the request's config in the rank processes the
-    zygote at ``address`` kept from the burst before; run again where it found none kept (its ranks
-    then are kept from its first run); ``None`` where neither run could say it ran in kept ranks."""
+    zygote at ``address`` kept from the burst before, whatever its outcome (in kept ranks an out of
+    memory costs its build, not a process's start). Where it found none kept, ``primer`` (a config
+    that ran ok; ``None``: the request's own, whose first run then keeps them) runs first and the
+    burst runs again; ``None`` where it still did not run in kept ranks."""
+    run = burst_runner(trainable, warm_ranks=address)
     short = dataclasses.replace(request, steps=KEPT_STEPS, new_rank_processes=False)
-    for _ in range(2):
+    for attempt in range(2):
         started = time.perf_counter()
-        result = burst_runner(trainable, warm_ranks=address)(short)
+        result = run(short)
         wall = time.perf_counter() - started
-        if result.contract is None:
-            return None
-        if result.contract.rank_start == "kept":
+        if result.rank_start == "kept":
             steps = [record.step_seconds for record in result.records]
             return KeptBurst(max(0.0, wall - sum(steps)), steps[0] if steps else None)
+        if attempt == 0 and primer is not None:
+            run(dataclasses.replace(primer, steps=KEPT_STEPS, new_rank_processes=False))
     return None
 
 
@@ -118,16 +127,23 @@ def cold_startup(campaign: Campaign, request: BurstRequest, folder: Path) -> flo
 def add_startup(campaign: Campaign, table: Path, kept: bool) -> None:
     """Give every row of ``table`` that lacks it a warm start-up, from a one-step burst whose ranks
     fork from a zygote already running, or (``kept``) what a burst in kept ranks pays
-    (:func:`kept_burst`, for the rows that ran ok). The table is rewritten after each burst, so a
+    (:func:`kept_burst`, for the rows of ``KEPT_MEASURED``). The table is rewritten after each burst, so a
     machine taken away mid-run keeps what it measured and a new run goes on from there."""
     rows = list(load_table(table).rows.items())
 
     def lacks(row: RecordedBurst) -> bool:
         if kept:
-            return row.outcome == "ok" and row.kept_startup_seconds is None
+            return row.outcome in KEPT_MEASURED and row.kept_startup_seconds is None
         return row.warm_startup_seconds is None
 
+    outcomes = {config: row.outcome for config, row in rows}
+    steady = {config: statistics.median(row.step_seconds) for config, row in rows if row.outcome == "ok"}
+    ran_ok = sorted(steady, key=steady.__getitem__)  # the quickest primer first
     todo = [config for config, row in rows if lacks(row)]
+    if kept:  # each row that ran out of memory after one that kept its ranks, which it then finds kept
+        healthy = [config for config in todo if outcomes[config] != "oom"]
+        unhealthy = [config for config in todo if outcomes[config] == "oom"]
+        todo = [config for pair in itertools.zip_longest(healthy, unhealthy) for config in pair if config is not None]
     what = "kept" if kept else "warm"
     print(f"{table}: {len(rows)} rows, measuring {what} start-up for {len(todo)}")
     measured: dict[Config, dict[str, float | None]] = {}
@@ -136,7 +152,8 @@ def add_startup(campaign: Campaign, table: Path, kept: bool) -> None:
         task = progress.add_task(f"{what} start-up", total=len(todo))
         for config in todo:
             if kept:
-                burst = kept_burst(campaign.spec.trainable, campaign.burst_request(config, KEPT_STEPS), address)
+                primer = None if outcomes[config] == "ok" or not ran_ok else campaign.burst_request(ran_ok[0], KEPT_STEPS)
+                burst = kept_burst(campaign.spec.trainable, campaign.burst_request(config, KEPT_STEPS), address, primer)
                 if burst is not None:
                     measured[config] = {"kept_startup_seconds": burst.startup_seconds,
                                         "kept_first_step_seconds": burst.first_step_seconds}

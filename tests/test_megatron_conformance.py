@@ -48,8 +48,8 @@ def megatron_rejects(config: Config, model) -> str | None:
 
 
 def test_megatron_spaces_are_all_checked() -> None:
-    assert {p.stem for p in SPACES} == {"h200_single", "h200_dual", "h200_te", "h200_qwen3_vl_30b_proxy",
-                                        "fsdp_first", "parallel_3d"}
+    assert {p.stem for p in SPACES} == {"h200_single", "h200_dual", "h200_te", "h200_te_grid",
+                                        "h200_qwen3_vl_30b_proxy", "fsdp_first", "parallel_3d"}
 
 
 @pytest.mark.parametrize("space_path", SPACES, ids=lambda p: p.stem)

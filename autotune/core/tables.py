@@ -132,8 +132,8 @@ class RecordedTable:
     def kept_recorded(self) -> bool:
         """Every row that ran ok recorded what a burst in kept ranks pays, so a replay after a healthy
         burst can charge that (a partly measured table would charge some configs less than others).
-        A row that did not run ok may lack it: its kept burst could not say how its ranks started
-        (a burst's contract comes with its steps), and a replay charges it the warm start-up."""
+        A row that did not run ok may lack it (a failure's cost depends on how it failed; tables
+        measured before 2026-12-06 kept only rows that ran ok): a replay charges it the warm start-up."""
         return all(row.kept_startup_seconds is not None for row in self.rows.values() if row.outcome == "ok")
 
 
