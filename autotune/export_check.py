@@ -103,10 +103,11 @@ def accepted_configs(spaces_dir: Path = SPACES_DIR) -> Iterator[tuple[SearchSpac
     """Each shipped space, its target's rule context, and the configs the rules accept there: the
     configs a campaign on it can make a winner. Spaces for the ``bridge`` trainable are left out:
     their winner's export is the overrides its trial ran, which the user's own Megatron-Bridge
-    validated before the trial launched (``trainables/bridge/recipe.py``)."""
+    validated before the trial launched (``trainables/bridge/recipe.py``). Cuts of another space
+    are left out too: each of their configs is their parent's (``autotune/space.py``)."""
     for path in sorted(spaces_dir.glob("*.yaml")):
         space = load_space(path)
-        if space.target.trainable == "bridge":
+        if space.target.trainable == "bridge" or space.cut_of is not None:
             continue
         context = target_context(space)
         yield space, context, survey_space(space, context).accepted

@@ -10,6 +10,11 @@ A space file (``search_spaces/*.yaml``) is data only::
     warm_start:
       - {name: bring-up, config: {micro_batch_size: 1, recompute_granularity: full}}
 
+A cut (``cut_of: h200_te``) is another space with fewer values of some of its tuned knobs: its
+``tune`` lists the values it keeps; target, fixed values and the warm starts that lie in it are its
+parent's, so it holds only configs its parent holds (a table a device session can record, where the
+parent's grid would take hours).
+
 Knobs neither tuned nor fixed keep Megatron's default. Conditional knobs (``recompute_modules``
 only under selective recompute, ``cuda_graph_scope`` only with per-layer graphs, …) are tuned only
 where the registry says they apply, so the grid holds no duplicate configs.
@@ -64,7 +69,9 @@ class Reachable(_Strict):
 class SpaceFile(_Strict):
     name: str
     description: str = ""
-    target: SpaceTarget
+    cut_of: str | None = None
+    """Another space (a name or a path) this one cuts: see the module's docstring."""
+    target: SpaceTarget | None = None
     reachable: Reachable | None = None
     tune: dict[str, list[Any]] = Field(min_length=1)
     fixed: dict[str, Any] = Field(default_factory=dict)
@@ -90,6 +97,8 @@ class SearchSpace:
     tuned: dict[str, tuple[Value, ...]]
     fixed: dict[str, Value]
     warm_starts: tuple[WarmStart, ...]
+    cut_of: str | None = None
+    """The space this one is a cut of: every config of it is that space's."""
 
     def choices(self, knob: str) -> tuple[Value, ...]:
         """The values ``knob`` may take when it is active in this space."""
@@ -149,23 +158,12 @@ def resolve_space_path(reference: str, relative_to: Path) -> Path:
 def load_space(path: Path) -> SearchSpace:
     """Load and validate a space file; every error names the file and the field."""
     spec = load_file(path, SpaceFile)
+    if spec.cut_of is not None:
+        return _load_cut(path, spec, spec.cut_of)
+    if spec.target is None:
+        raise InputFileError(path, "target", "is required (or cut_of, naming the space this one cuts)")
 
-    tuned: dict[str, tuple[Value, ...]] = {}
-    for name, values in spec.tune.items():
-        knob = _knob_at(path, f"tune.{name}", name)
-        if not values:
-            raise InputFileError(path, f"tune.{name}", "needs at least one candidate value")
-        parsed = []
-        for index, raw_value in enumerate(values):
-            try:
-                value = knob.parse(raw_value)
-            except KnobError as exc:
-                raise InputFileError(path, f"tune.{name}[{index}]", exc.message) from None
-            if value in parsed:
-                raise InputFileError(path, f"tune.{name}[{index}]", f"repeats the value {knob.format(value)}")
-            parsed.append(value)
-        tuned[name] = tuple(parsed)
-
+    tuned = {name: _tuned_values(path, name, values) for name, values in spec.tune.items()}
     fixed: dict[str, Value] = {}
     for name, raw_value in spec.fixed.items():
         knob = _knob_at(path, f"fixed.{name}", name)
@@ -188,6 +186,54 @@ def load_space(path: Path) -> SearchSpace:
     )
     _check_conditions_reachable(space)
     warm_starts = tuple(_warm_start(space, index, entry) for index, entry in enumerate(spec.warm_start))
+    return dataclasses.replace(space, warm_starts=warm_starts)
+
+
+def _tuned_values(path: Path, name: str, values: list[Any]) -> tuple[Value, ...]:
+    """The parsed candidate values of ``tune.<name>``: at least one, none repeated."""
+    knob = _knob_at(path, f"tune.{name}", name)
+    if not values:
+        raise InputFileError(path, f"tune.{name}", "needs at least one candidate value")
+    parsed: list[Value] = []
+    for index, raw_value in enumerate(values):
+        try:
+            value = knob.parse(raw_value)
+        except KnobError as exc:
+            raise InputFileError(path, f"tune.{name}[{index}]", exc.message) from None
+        if value in parsed:
+            raise InputFileError(path, f"tune.{name}[{index}]", f"repeats the value {knob.format(value)}")
+        parsed.append(value)
+    return tuple(parsed)
+
+
+def _load_cut(path: Path, spec: SpaceFile, parent_reference: str) -> SearchSpace:
+    """A space that keeps some values of its parent's tuned knobs and the rest of its parent."""
+    for field in ("target", "reachable", "fixed"):
+        if getattr(spec, field):
+            raise InputFileError(path, field, f"a cut takes its parent's ({parent_reference}); leave it out")
+    parent_path = resolve_space_path(parent_reference, path.parent)
+    if not parent_path.is_file():
+        raise InputFileError(path, "cut_of", f"no space {parent_reference} ({parent_path} is not a file)")
+    parent = load_space(parent_path)
+    tuned = dict(parent.tuned)
+    for name, values in spec.tune.items():
+        if name not in parent.tuned:
+            raise InputFileError(path, f"tune.{name}", f"is not tuned by {parent.name}: a cut keeps some of "
+                                                       "its parent's values, it adds no knob")
+        kept = _tuned_values(path, name, values)
+        for index, value in enumerate(kept):
+            if value not in parent.tuned[name]:
+                choices = ", ".join(KNOBS[name].format(choice) for choice in parent.tuned[name])
+                raise InputFileError(path, f"tune.{name}[{index}]", f"{KNOBS[name].format(value)} is not among "
+                                                                    f"{parent.name}'s values ({choices})")
+        tuned[name] = kept
+    space = dataclasses.replace(parent, name=spec.name, description=spec.description, path=path, tuned=tuned,
+                                warm_starts=(), cut_of=parent.name)
+    _check_conditions_reachable(space)
+    if spec.warm_start:
+        warm_starts = tuple(_warm_start(space, index, entry) for index, entry in enumerate(spec.warm_start))
+    else:
+        warm_starts = tuple(start for start in parent.warm_starts if space.contains(start.config))
     return dataclasses.replace(space, warm_starts=warm_starts)
 
 

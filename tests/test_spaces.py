@@ -68,6 +68,14 @@ tune:
   micro_batch_size: [1, 2]
 """
 
+CUT = """\
+name: c
+cut_of: h200_te
+tune:
+  micro_batch_size: [2, 4]
+  moe_grouped_gemm: [true]
+"""
+
 BAD_SPACES = [
     ("tune: [", "line", "invalid YAML"),
     ("- just\n- a list\n", "-", "expected a mapping"),
@@ -89,8 +97,17 @@ BAD_SPACES = [
     (MINIMAL.replace("accelerator: h200", "accelerator: tpu"), "target.stack.accelerator", "Input should be"),
 ]
 
+BAD_CUTS = [
+    (CUT.replace("[2, 4]", "[2, 3]"), r"tune.micro_batch_size\[1\]", "3 is not among h200_te's values"),
+    (CUT + "  context_parallel_size: [1]\n", "tune.context_parallel_size", "not tuned by h200_te"),
+    (CUT + "fixed: {fp8: hybrid}\n", "fixed", "a cut takes its parent's"),
+    (CUT.replace("cut_of: h200_te", "cut_of: h200_tee"), "cut_of", "no space h200_tee"),
+    (MINIMAL.replace("target: {model: h200_small_moe_vlm, trainable: megatron, gpus_per_trial: 1, "
+                     "stack: {accelerator: h200}}\n", ""), "target", "is required"),
+]
 
-@pytest.mark.parametrize(("text", "field", "message"), BAD_SPACES)
+
+@pytest.mark.parametrize(("text", "field", "message"), BAD_SPACES + BAD_CUTS)
 def test_bad_space_files_name_file_and_field(tmp_path: Path, text: str, field: str, message: str) -> None:
     path = tmp_path / "space.yaml"
     path.write_text(text)
@@ -100,6 +117,24 @@ def test_bad_space_files_name_file_and_field(tmp_path: Path, text: str, field: s
     assert error.startswith(f"{path}: ")
     assert re.search(field, info.value.field), (info.value.field, error)
     assert re.search(message, error), error
+
+
+def test_a_cut_holds_only_its_parents_configs_and_the_warm_starts_that_lie_in_it(tmp_path: Path) -> None:
+    """A cut keeps the parent's other knobs and values, so it can replace it in a table nobody can
+    record whole, and an export of any of its configs is one of the parent's."""
+    path = tmp_path / "cut.yaml"
+    path.write_text(CUT)
+    cut, parent = load_space(path), load_space(Path("search_spaces/h200_te.yaml"))
+    assert cut.cut_of == "h200_te" and cut.target == parent.target and cut.fixed == parent.fixed
+    assert cut.tuned["micro_batch_size"] == (2, 4) and cut.tuned["fp8"] == parent.tuned["fp8"]
+    configs = list(cut.configs())
+    assert configs and all(parent.contains(config) for config in configs)
+    assert cut.size() < parent.size()
+    # bring-up (MBS 1, no grouped GEMM) lies outside; the seed's TE steady state (MBS 4, grouped GEMM) inside
+    assert [start.name for start in cut.warm_starts] == ["seed-te-steady"]
+    shipped = load_space(Path("search_spaces/h200_te_grid.yaml"))
+    assert all(parent.contains(config) for config in shipped.configs())
+    assert [start.name for start in shipped.warm_starts] == ["bring-up", "seed-te-steady"]
 
 
 def test_missing_space_file(tmp_path: Path) -> None:
