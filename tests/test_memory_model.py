@@ -162,7 +162,7 @@ def test_the_floor_rejects_from_the_first_proposal_what_its_counted_bytes_alone_
 
 
 @pytest.mark.parametrize("table", ["bench/data/h200_megatron_vlm.jsonl", "bench/data/h200_te_vlm.jsonl",
-                                   "bench/data/cpu_native_vlm_memory.jsonl"])
+                                   "bench/data/h100_te_grid.jsonl", "bench/data/cpu_native_vlm_memory.jsonl"])
 def test_no_recorded_peak_lies_below_the_floor_the_other_peaks_give(table: str) -> None:
     """The floor rejects only what cannot fit: on every table recorded under a memory limit, each
     config that ran peaked above its floor less the margin a rejection allows."""
