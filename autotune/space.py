@@ -11,9 +11,9 @@ A space file (``search_spaces/*.yaml``) is data only::
       - {name: bring-up, config: {micro_batch_size: 1, recompute_granularity: full}}
 
 A cut (``cut_of: h200_te``) is another space with fewer values of some of its tuned knobs: its
-``tune`` lists the values it keeps; target, fixed values and the warm starts that lie in it are its
-parent's, so it holds only configs its parent holds (a table a device session can record, where the
-parent's grid would take hours).
+``tune`` lists the values it keeps, and target and fixed values are its parent's, so it holds only
+configs its parent holds (a table a device session can record, where the parent's grid would take
+hours). Its warm starts are its own where it lists them, else those of its parent's that lie in it.
 
 Knobs neither tuned nor fixed keep Megatron's default. Conditional knobs (``recompute_modules``
 only under selective recompute, ``cuda_graph_scope`` only with per-layer graphs, …) are tuned only
