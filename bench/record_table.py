@@ -137,10 +137,12 @@ def add_startup(campaign: Campaign, table: Path, kept: bool) -> None:
         return row.warm_startup_seconds is None
 
     outcomes = {config: row.outcome for config, row in rows}
-    steady = {config: statistics.median(row.step_seconds) for config, row in rows if row.outcome == "ok"}
-    ran_ok = sorted(steady, key=steady.__getitem__)  # the quickest primer first
     todo = [config for config, row in rows if lacks(row)]
+    primer = None
     if kept:  # each row that ran out of memory after one that kept its ranks, which it then finds kept
+        steady = {config: statistics.median(row.step_seconds) for config, row in rows if row.outcome == "ok"}
+        if steady:  # the quickest config that ran ok
+            primer = campaign.burst_request(min(steady, key=steady.__getitem__), KEPT_STEPS)
         healthy = [config for config in todo if outcomes[config] != "oom"]
         unhealthy = [config for config in todo if outcomes[config] == "oom"]
         todo = [config for pair in itertools.zip_longest(healthy, unhealthy) for config in pair if config is not None]
@@ -152,8 +154,8 @@ def add_startup(campaign: Campaign, table: Path, kept: bool) -> None:
         task = progress.add_task(f"{what} start-up", total=len(todo))
         for config in todo:
             if kept:
-                primer = None if outcomes[config] == "ok" or not ran_ok else campaign.burst_request(ran_ok[0], KEPT_STEPS)
-                burst = kept_burst(campaign.spec.trainable, campaign.burst_request(config, KEPT_STEPS), address, primer)
+                burst = kept_burst(campaign.spec.trainable, campaign.burst_request(config, KEPT_STEPS), address,
+                                   None if outcomes[config] == "ok" else primer)
                 if burst is not None:
                     measured[config] = {"kept_startup_seconds": burst.startup_seconds,
                                         "kept_first_step_seconds": burst.first_step_seconds}
