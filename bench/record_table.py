@@ -187,7 +187,7 @@ def main() -> None:
                         help="record nothing new: measure the warm start-up of the rows of --out that lack it")
     parser.add_argument("--add-kept-startup", action="store_true",
                         help="record nothing new: measure what a burst in kept ranks pays for the rows of --out "
-                             "that ran ok and lack it")
+                             "that ran ok, out of memory or invalid and lack it")
     args = parser.parse_args()
 
     campaign = load_campaign(args.campaign)
