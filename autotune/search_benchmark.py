@@ -71,7 +71,7 @@ def true_rate(row: RecordedBurst) -> float:
     """A recorded burst's steady useful tokens/s per device (0 for a burst that did not finish)."""
     if row.outcome != "ok":
         return 0.0
-    estimate = steady_state(row.throughput, min_warmup=1)
+    estimate = row.steady
     return (estimate.mean if estimate is not None else statistics.mean(row.throughput)) / row.world_size
 
 

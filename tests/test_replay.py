@@ -216,3 +216,27 @@ def test_the_ledger_charges_replayed_seconds_not_its_clock(tmp_path) -> None:
     assert entry.training_device_seconds == pytest.approx(2 * 6 * 1.0)  # the rest was the recorded start-up
     assert spend([entry]).outside_steps == pytest.approx(248.0)
     assert entry.outside_steps is None  # recorded seconds have no parts timed here
+
+
+def test_a_table_summary_ranks_what_ran_per_device_and_says_once_what_every_row_sets(tmp_path) -> None:
+    """``bench/table_summary.py``, which the README quotes tables from: each row's steady rate per
+    device (the search benchmark's estimator), fastest first, the rows that did not run last with
+    why, and the knobs every row sets alike said once instead of in every row."""
+    import subprocess
+    import sys
+
+    path = table(tmp_path, row(steps=[2.0] * 10, micro_batch_size=2, freeze_vision_model=True),
+                 row("oom", [], micro_batch_size=4, freeze_vision_model=True),
+                 row(micro_batch_size=1, freeze_vision_model=True))
+    out = tmp_path / "summary.json"
+    subprocess.run([sys.executable, "bench/table_summary.py", "--table", str(path), "--out", str(out)],
+                   check=True, capture_output=True, cwd=Path(__file__).resolve().parent.parent)
+    summary = json.loads(out.read_text())
+    rows = summary["summaries"]
+    assert summary["every_row"] == "freeze_vision_model=true" and summary["outcomes"] == {"ok": 2, "oom": 1}
+    assert [(r["varied"], r["outcome"]) for r in rows] == [("micro_batch_size=1", "ok"), ("micro_batch_size=2", "ok"),
+                                                          ("micro_batch_size=4", "oom")]
+    assert rows[0]["tokens_per_second"] == pytest.approx(steady_state([1000 / s for s in WARMUP + STEADY],
+                                                                      min_warmup=1).mean / 2)
+    assert rows[1]["tokens_per_second"] == pytest.approx(250.0)  # 1,000 tokens in 2 s, on 2 devices
+    assert rows[2]["tokens_per_second"] is None and rows[2]["error"] == "OutOfMemoryError: out of memory"

@@ -36,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from autotune.core.contract import RankStart
 from autotune.core.errors import AutotuneError, KnobError
 from autotune.core.knobs import Config, complete_config
+from autotune.core.steady import SteadyEstimate, steady_state
 
 RecordedOutcome = Literal["ok", "oom", "invalid", "failed"]
 ChargedStart = Literal["cold", "warm", "kept"]
@@ -77,6 +78,13 @@ class RecordedBurst(BaseModel):
     def throughput(self) -> list[float]:
         """Useful tokens/s of every recorded step."""
         return [self.useful_tokens_per_step / seconds for seconds in self.step_seconds]
+
+    @property
+    def steady(self) -> SteadyEstimate | None:
+        """The steady estimate of its useful tokens/s, the first step taken as warm-up at least (what
+        the search benchmark ranks configs by); ``None`` for a burst that did not run ok or ran too
+        few steps for one."""
+        return steady_state(self.throughput, min_warmup=1) if self.outcome == "ok" else None
 
     def startup(self, start: ChargedStart) -> float:
         """Start-up seconds with the ranks started ``start`` (see the module's docstring)."""
