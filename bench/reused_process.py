@@ -35,7 +35,7 @@ from autotune.campaign import load_campaign
 from autotune.core.contract import BurstRequest, StepReport
 from autotune.core.registry import rank_runner
 from autotune.core.steady import steady_state
-from trainables.launch import KEPT_ALLOCATED_SLACK_BYTES, allocated_after_burst, device_for, free_port
+from trainables.launch import KEPT_ALLOCATED_SLACK_BYTES, allocated_after_burst, device_for
 
 COMPILE_ENVIRONMENT = ("TORCHDYNAMO_DISABLE", "TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_FX_GRAPH_CACHE",
                        "CUDA_MODULE_LOADING")
@@ -94,7 +94,7 @@ def main() -> None:
     device = device_for(0)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method="tcp://127.0.0.1:0",
                             rank=0, world_size=1)
     trainable = campaign.spec.trainable
     baseline = torch.cuda.memory_allocated(device) if device.type == "cuda" else None

@@ -5,7 +5,6 @@ Training itself needs CUDA: the ``gpu`` test runs only where there is one."""
 from __future__ import annotations
 
 import gc
-import socket
 import warnings
 import weakref
 from pathlib import Path
@@ -36,10 +35,7 @@ def model_parallel():
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
     parallel_state.initialize_model_parallel()
     yield
     parallel_state.destroy_model_parallel()
@@ -47,7 +43,7 @@ def model_parallel():
 
 
 KEPT_GROUPS_SCENARIO = """
-import json, socket
+import json, tempfile
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -56,16 +52,11 @@ from trainables import launch
 from trainables.megatron.burst import _release, parallel_groups
 from trainables.steps import BuildClock
 
-def port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 def groups():
     return set(dist.distributed_c10d._world.pg_map)
 
 config, seen = complete_config({}), {}
-launch._join_process_group("gloo", port(), 0, 1)
+launch._join_process_group("gloo", tempfile.mkdtemp(), 0, 1)
 seen["first"] = parallel_groups(config)
 made = groups()
 # What a burst's layers left in megatron-core's global memory buffer (on the GPU, device memory
@@ -75,11 +66,11 @@ _release(None, BuildClock(torch.device("cpu"), synchronize=False))
 seen["buffer_emptied"] = parallel_state.get_global_memory_buffer().buffer == {}
 seen["end"] = launch._end_process_groups(1)
 seen["groups_kept"] = groups() == made
-launch._join_process_group("gloo", port(), 0, 1)  # a kept rank's next burst: the same world
+launch._join_process_group("gloo", tempfile.mkdtemp(), 0, 1)  # a kept rank's next burst: the same world
 seen["second"] = parallel_groups(config)
 seen["the_same_groups"] = groups() == made
 launch._end_process_groups(2)  # a world of more ranks ends whole: the kept groups go with it
-launch._join_process_group("gloo", port(), 0, 1)
+launch._join_process_group("gloo", tempfile.mkdtemp(), 0, 1)
 seen["after_a_new_world"] = parallel_groups(config)
 seen["new_groups"] = len(groups()) == len(made) and not groups() & made
 print(json.dumps(seen))

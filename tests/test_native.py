@@ -7,6 +7,7 @@ import os
 import pickle
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from autotune.core.model import model_preset
 from trainables.data.loader import ImageSettings, PackedVLMDataset
 from trainables.flops import CONVENTION
 from trainables import zygote
-from trainables.launch import free_port, run_local
+from trainables.launch import run_local
 from trainables.native.burst import native_contract, run_rank
 from trainables.native.cuda_graphs import apply_cuda_graphs
 from trainables.native.model import MoEVLM
@@ -116,9 +117,9 @@ from datetime import timedelta
 from autotune.core.knobs import complete_config
 from trainables.native.model import MoEVLM
 from trainables.native.parallelize import make_groups, apply_expert_parallel
-rank, port, path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+rank, rendezvous, path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 spec, batches = pickle.load(open(path, "rb"))
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=120))
+dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2, timeout=timedelta(seconds=120))
 torch.manual_seed(0)
 model = MoEVLM(spec)
 config = complete_config({"moe_token_dispatcher_type": "alltoall", "expert_model_parallel_size": 2})
@@ -140,9 +141,9 @@ def test_expert_parallel_over_two_gloo_ranks_matches_one_rank(photo_shards: Path
         expected.append(forward(MoEVLM(SPEC), batch).loss.item())
     payload = tmp_path / "payload.pkl"
     payload.write_bytes(pickle.dumps((SPEC, batches)))
-    port = str(free_port())
+    rendezvous = str(tmp_path / "rendezvous")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-c", EP_WORKER, str(r), port, str(payload)], stdout=subprocess.PIPE,
+    procs = [subprocess.Popen([sys.executable, "-c", EP_WORKER, str(r), rendezvous, str(payload)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env) for r in (0, 1)]
     outputs = [p.communicate(timeout=300) for p in procs]
     losses = {}
@@ -351,6 +352,7 @@ def test_finish_step_on_one_rank_assembles_the_record_from_local_measures() -> N
     local = LocalMeasures(step_seconds=2.0, data_wait_seconds=0.25, vision_seconds=0.5, projector_seconds=0.125,
                           peak_memory_bytes=123, counts=counts, loss=2.5)
     reports: list[StepReport] = []
+    before = time.time()
     record, stop = finish_step(OneRank(), 0, local, lambda report: reports.append(report) or True)
     assert record == StepRecord(
         step=0, step_seconds=2.0, data_wait_seconds=0.25, vision_seconds=0.5, projector_seconds=0.125,
@@ -358,8 +360,11 @@ def test_finish_step_on_one_rank_assembles_the_record_from_local_measures() -> N
         peak_memory_bytes=123, loss=2.5, skipped_samples=1,
     )
     assert not stop
+    # the build, with the first step, and when this rank began it: its own step time before now
+    began_at = reports[0].began_at
+    assert began_at is not None and before - 2.0 <= began_at <= time.time() - 2.0
     assert reports == [StepReport(record, OneRank().observed, Contract(trainable="test"),
-                                  build_phases=(TimedPart("model", 0.5),))]  # the build, with the first step
+                                  build_phases=(TimedPart("model", 0.5),), began_at=began_at)]
     # After step 0 no contract; the reporter's False stops; a rank without a loss reports 0.
     quiet = LocalMeasures(step_seconds=1.0, data_wait_seconds=0.0, vision_seconds=0.0, projector_seconds=0.0,
                           peak_memory_bytes=1)
@@ -375,8 +380,8 @@ from dataclasses import asdict
 from datetime import timedelta
 from autotune.core.contract import Contract, Evidence
 from trainables.steps import LocalMeasures, StepCounts, finish_step
-rank, port = int(sys.argv[1]), sys.argv[2]
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=120))
+rank, rendezvous = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2, timeout=timedelta(seconds=120))
 class Run:
     device, rank, world_size, build_phases = torch.device("cpu"), rank, 2, ()
     def evidence(self): return Evidence()
@@ -390,10 +395,10 @@ dist.destroy_process_group()
 """
 
 
-def test_finish_step_reduces_over_ranks_and_stops_them_together() -> None:
-    port = str(free_port())
+def test_finish_step_reduces_over_ranks_and_stops_them_together(tmp_path: Path) -> None:
+    rendezvous = str(tmp_path / "rendezvous")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-c", STEP_WORKER, str(r), port], stdout=subprocess.PIPE,
+    procs = [subprocess.Popen([sys.executable, "-c", STEP_WORKER, str(r), rendezvous], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env) for r in (0, 1)]
     results = []
     for proc in procs:

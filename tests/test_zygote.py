@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from dataclasses import replace
+from datetime import timedelta
 from multiprocessing import Pipe
 from pathlib import Path
 
@@ -300,14 +301,15 @@ def test_a_one_rank_world_stays_for_the_next_burst_and_the_groups_a_burst_made_d
     goes too where one of those cannot be destroyed."""
     script = """
 import torch.distributed as dist
-from trainables.launch import WORLD_DESTROYED, WORLD_KEPT, _end_process_groups, _join_process_group, free_port
-_join_process_group("gloo", free_port(), 0, 1)
+import tempfile
+from trainables.launch import WORLD_DESTROYED, WORLD_KEPT, _end_process_groups, _join_process_group
+_join_process_group("gloo", tempfile.mkdtemp(), 0, 1)
 world = dist.GroupMember.WORLD
 dist.new_group([0]), dist.new_group([0])  # as megatron-core makes its parallel groups
 assert len(dist.distributed_c10d._world.pg_map) == 3
 assert _end_process_groups(1) == WORLD_KEPT
 assert dist.is_initialized() and list(dist.distributed_c10d._world.pg_map) == [world]
-_join_process_group("gloo", free_port(), 0, 1)  # the next burst, in the same kept rank
+_join_process_group("gloo", tempfile.mkdtemp(), 0, 1)  # the next burst, in the same kept rank
 assert dist.GroupMember.WORLD is world
 # A group that cannot be destroyed alone takes the world with it (the burst's result stands).
 dist.new_group([0])
@@ -322,3 +324,19 @@ print("kept")
 """
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "kept", done.stderr
+
+
+def test_a_rank_that_never_joins_is_named_once_the_rendezvous_times_out(tmp_path: Path, monkeypatch) -> None:
+    """Rank 0 serves the burst's store on a port it binds itself and names the peers that did not
+    come; a peer whose rank 0 never served says so. Both within the rendezvous timeout, not the
+    collectives' five minutes."""
+    monkeypatch.setattr(launch, "RENDEZVOUS_TIMEOUT", timedelta(seconds=1))
+    served = tmp_path / "served"
+    served.mkdir()
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"rank\(s\) 1, 2 of 3 did not join the burst's process group within 1 s"):
+        launch._rendezvous_store(str(served), 0, 3)
+    assert int((served / launch.STORE_PORT_FILE).read_text()) > 0  # where its peers would have looked
+    with pytest.raises(TimeoutError, match="rank 0 did not serve the burst's store within 1 s"):
+        launch._rendezvous_store(str(tmp_path), 1, 2)
+    assert time.monotonic() - started < 10

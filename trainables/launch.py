@@ -16,7 +16,6 @@ import multiprocessing as mp
 import os
 import pickle
 import signal
-import socket
 import tempfile
 import time
 import traceback
@@ -40,17 +39,15 @@ if TYPE_CHECKING:
 BurstResultOrReport = TypeVar("BurstResultOrReport", BurstResult, StepReport)
 
 RANK_TIMEOUT = timedelta(minutes=5)
+RENDEZVOUS_TIMEOUT = timedelta(minutes=2)
+"""How long a burst's ranks may take to all join its process group. They start within a second of
+each other (forked from a zygote that holds their imports, or kept); a GPU rank makes its CUDA
+context first (seconds). A rank that has not joined by then never will, and its peers say which
+it is rather than wait out :data:`RANK_TIMEOUT`."""
 log = logging.getLogger(__name__)
 STRAGGLER_GRACE_SECONDS = 10.0
 """Once one rank has exited, how long the others may take before they are presumed stuck in a
 collective with it (after an OOM on one rank, say) and killed."""
-
-
-def free_port() -> int:
-    """A TCP port free on this machine now (for a process group's rendezvous)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def device_for(rank: int) -> torch.device:
@@ -113,10 +110,11 @@ _allocated_at_first_start: int | None = None
 
 
 def _rank_main(
-    relay: Connection, trainable: str, rank: int, world_size: int, port: int, request: BurstRequest, out_dir: str,
+    relay: Connection, trainable: str, rank: int, world_size: int, request: BurstRequest, out_dir: str,
     relayed: bool,
 ) -> Callable[[], bool] | None:
-    """One rank of a burst in this process; its result goes to ``out_dir``. Returns the check that
+    """One rank of a burst in this process; its result goes to ``out_dir``, where its ranks also
+    meet (:func:`_rendezvous_store`). Returns the check that
     says whether the process may run another burst (a kept rank), which its zygote runs once the
     launcher has the result, or ``None`` where it may not: the burst did not end ok, pruned or
     invalid."""
@@ -130,7 +128,7 @@ def _rank_main(
             torch.cuda.set_device(device)
             if _allocated_at_first_start is None:
                 _allocated_at_first_start = torch.cuda.memory_allocated(device)
-        _join_process_group("nccl" if device.type == "cuda" else "gloo", port, rank, world_size)
+        _join_process_group("nccl" if device.type == "cuda" else "gloo", out_dir, rank, world_size)
         try:
             reporter = _RelayedReporter(relay) if relayed and rank == 0 else None
             called_at = time.perf_counter()
@@ -166,12 +164,12 @@ WORLD_KEPT = "the burst's own process groups destroyed, the world's kept"
 WORLD_DESTROYED = "process group destroyed"
 
 
-def _join_process_group(backend: str, port: int, rank: int, world_size: int) -> None:
-    """Make this burst's process group, or, in a kept rank of one-rank bursts, take the one an
-    earlier burst made: a world of one has no peer that could have been replaced since, and
-    destroying an NCCL world took 0.95 s of each trial's end on an H100 (the median trial of
-    ``bench/results/h100_kept_ranks_te_20261206/``). A world of more ranks is made anew: a kept
-    rank's peers may be new processes."""
+def _join_process_group(backend: str, folder: str, rank: int, world_size: int) -> None:
+    """Make this burst's process group, its ranks meeting in ``folder``, or, in a kept rank of
+    one-rank bursts, take the one an earlier burst made: a world of one has no peer that could have
+    been replaced since, and destroying an NCCL world took 0.95 s of each trial's end on an H100
+    (the median trial of ``bench/results/h100_kept_ranks_te_20261206/``). A world of more ranks is
+    made anew: a kept rank's peers may be new processes."""
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -179,9 +177,51 @@ def _join_process_group(backend: str, port: int, rank: int, world_size: int) -> 
             return
         dist.destroy_process_group()
         kept_groups.forget()  # they went with the world
-    dist.init_process_group(
-        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=RANK_TIMEOUT
-    )
+    dist.init_process_group(backend, store=_rendezvous_store(folder, rank, world_size), rank=rank,
+                            world_size=world_size, timeout=RANK_TIMEOUT)
+
+
+STORE_PORT_FILE = "store_port"
+
+
+def _rendezvous_store(folder: str, rank: int, world_size: int) -> torch.distributed.TCPStore:
+    """The burst's store, once every rank has joined it: rank 0 serves it on a port the system gives
+    it as it binds, and writes the port in ``folder`` (the burst's own, on this machine), where the
+    other ranks read it.
+
+    Why not a port picked free before the ranks start: it is free when picked, not when rank 0
+    binds it, and any process of the node may take it in between; the ranks then never meet. A CI
+    run on 2026-12-06 saw a kept burst's rank 0 wait 301 s for a peer that never joined; what held
+    the peer was not seen, so a peer that does not come is also named, within
+    :data:`RENDEZVOUS_TIMEOUT`."""
+    import torch.distributed as dist
+
+    path = Path(folder, STORE_PORT_FILE)
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=RENDEZVOUS_TIMEOUT,
+                              wait_for_workers=False)
+        written = path.with_suffix(".partial")
+        written.write_text(str(store.port))
+        written.rename(path)  # whole, or not there
+        joined = [f"rank {peer} joined" for peer in range(1, world_size)]
+        try:
+            store.wait(joined, RENDEZVOUS_TIMEOUT)
+        except dist.DistStoreError:
+            missing = [peer for peer, key in enumerate(joined, start=1) if not store.check([key])]
+            raise TimeoutError(f"rank(s) {', '.join(map(str, missing))} of {world_size} did not join the burst's "
+                               f"process group within {RENDEZVOUS_TIMEOUT.total_seconds():.0f} s") from None
+    else:
+        deadline = time.monotonic() + RENDEZVOUS_TIMEOUT.total_seconds()
+        while not path.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank 0 did not serve the burst's store within "
+                                   f"{RENDEZVOUS_TIMEOUT.total_seconds():.0f} s")
+            time.sleep(0.005)
+        store = dist.TCPStore("127.0.0.1", int(path.read_text()), world_size, is_master=False,
+                              timeout=RENDEZVOUS_TIMEOUT)
+        store.set(f"rank {rank} joined", "")
+    store.set_timeout(RANK_TIMEOUT)
+    return store
 
 
 def _end_process_groups(world_size: int) -> str:
@@ -270,7 +310,6 @@ def run_local(request: BurstRequest, reporter: Reporter | None = None, trainable
     keep = (source is warm and request.cpu_memory_cap_bytes is None and not request.new_rank_processes
             and _may_keep_ranks_of(trainable))
     with tempfile.TemporaryDirectory(prefix="burst-") as out_dir:
-        port = free_port()
         processes: list[ZygoteChild] = []
         relays: list[Connection] = []
         stragglers: set[int] = set()
@@ -283,7 +322,7 @@ def run_local(request: BurstRequest, reporter: Reporter | None = None, trainable
                 with theirs:
                     processes.append(source.fork(
                         "trainables.launch:_rank_main",
-                        (trainable, rank, request.world_size, port, request, out_dir, reporter is not None), theirs,
+                        (trainable, rank, request.world_size, request, out_dir, reporter is not None), theirs,
                         request.environment, keep_as=_kept_rank_key(trainable, request) if keep else None, slot=rank,
                     ))
             if processes and all(process.kept for process in processes):

@@ -152,6 +152,7 @@ def finish_step(run: RankRun, step: int, local: LocalMeasures, reporter: Reporte
     :class:`StepReport` with the evidence so far and, at step 0, the contract; its ``False`` on
     rank 0 stops every rank after this step. Returns the record and whether to stop.
     """
+    began_at = time.time() - local.step_seconds  # before the reduction, which waits for the slowest rank
     times, counts, peak = _reduce(run, local)
     step_seconds, data_wait, vision, projector = times
     useful, image, loss_tokens, samples, flops, skipped, loss_sum, loss_ranks = counts
@@ -175,7 +176,7 @@ def finish_step(run: RankRun, step: int, local: LocalMeasures, reporter: Reporte
     if reporter is not None:
         first = step == 0
         report = StepReport(record, run.evidence(), run.contract() if first else None,
-                            build_phases=tuple(run.build_phases) if first else ())
+                            build_phases=tuple(run.build_phases) if first else (), began_at=began_at if first else None)
         stop = not reporter(report) and run.rank == 0
     return record, _rank_zero_says(run, stop)
 

@@ -359,6 +359,10 @@ class StepReport:
     """With the first step's report only, from a rank that spends real time (not a replay)."""
     build_phases: tuple[TimedPart, ...] = ()
     """With the first step's report only: the trainable's set-up, part by part, as it timed it."""
+    began_at: float | None = None
+    """With the first step's report only: when the reporting rank began that step (``time.time()``).
+    Its own clock, not the record's: the record's step time is the slowest rank's, and a rank that
+    finished its build first waits for the others inside its first step."""
 
 
 Reporter = Callable[[StepReport], bool]

@@ -88,17 +88,17 @@ def rank_runner(name: str) -> Callable[[BurstRequest, "torch.device", Reporter |
 
 
 class _StartupReporter:
-    """Passes reports on, the first with when this rank was ready and began its first step (the
-    report comes as that step ends, so it began ``step_seconds`` before)."""
+    """Passes reports on, the first with when this rank was ready and when it began its first step
+    (as the trainable's step loop timed it)."""
 
     def __init__(self, reporter: Reporter) -> None:
         self.reporter = reporter
         self.ready_at: float | None = time.time()
 
     def __call__(self, report: StepReport) -> bool:
-        if self.ready_at is not None:
-            report = replace(report, startup=RankStartup(self.ready_at, time.time() - report.record.step_seconds))
-            self.ready_at = None
+        if self.ready_at is not None and report.began_at is not None:
+            report = replace(report, startup=RankStartup(self.ready_at, report.began_at))
+        self.ready_at = None
         return self.reporter(report)
 
 

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from autotune.campaign import load_campaign
 from autotune.core.registry import rank_runner
-from trainables.launch import KEPT_ALLOCATED_SLACK_BYTES, allocated_after_burst, device_for, free_port
+from trainables.launch import KEPT_ALLOCATED_SLACK_BYTES, allocated_after_burst, device_for
 from trainables.megatron import burst
 from trainables.probe import transformer_engine_status
 
@@ -126,7 +126,7 @@ def main() -> None:
     start = campaign.space.warm_starts[int(sys.argv[3]) if len(sys.argv) > 3 else 0]
     device = device_for(0)
     torch.cuda.set_device(device)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    dist.init_process_group("nccl", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
     baseline = torch.cuda.memory_allocated(device)
     shipped = burst.drop_kept_autograd_graphs
     burst.drop_kept_autograd_graphs = lambda model: None
