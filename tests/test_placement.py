@@ -81,7 +81,7 @@ def test_gb200_trays_without_an_imex_channel_are_domains_of_their_own() -> None:
 
 SPACE = {
     "name": "placement_test",
-    "target": {"model": "cpu_tiny_moe_vlm", "trainable": "native", "gpus_per_trial": 4, "stack": {"accelerator": "h200"}},
+    "target": {"model": "cpu_tiny_moe_vlm", "trainable": "native", "gpus_per_trial": 2, "stack": {"accelerator": "h200"}},
     "tune": {"micro_batch_size": [1, 2, 4, 8]},
     "fixed": {"moe_token_dispatcher_type": "alltoall"},
 }
@@ -89,11 +89,13 @@ SPACE = {
 
 @pytest.fixture
 def racks():
-    """A head without GPUs and three 4-GPU nodes (CPUs to spare, as GPU nodes have, for trial
-    drivers landing there): two in rack-a, one in rack-b."""
+    """A head without GPUs and three one-GPU nodes (CPUs to spare, as GPU nodes have, for trial
+    drivers landing there): two in rack-a, one in rack-b. One GPU a node keeps the trials' worker
+    groups at two workers (each a process to start: 13 s a trial on this 2-core box, 20 s with
+    four), and makes every trial span nodes."""
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0})
     for domain in ("rack-a", "rack-a", "rack-b"):
-        cluster.add_node(num_cpus=8, num_gpus=4, labels={NVLINK_DOMAIN_LABEL: domain})
+        cluster.add_node(num_cpus=8, num_gpus=1, labels={NVLINK_DOMAIN_LABEL: domain})
     ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
     try:
         yield {n["NodeID"]: n["Labels"].get(NVLINK_DOMAIN_LABEL) for n in ray.nodes()}
@@ -122,16 +124,16 @@ def replayed_campaign(path: Path, world_size: int, stack: dict, fixed: dict, bat
 
 
 def test_trials_workers_land_inside_one_nvlink_domain(tmp_path: Path, racks) -> None:
-    path = campaign_file(tmp_path, max_trials=1, space=SPACE, accelerator="h200", gpus_per_node=4,
-                         gpus_per_trial=4, nodes=3, launcher="ray_train")
-    stack = probe() | {"device_count": 4, "device_memory_bytes": 192 * 2**30}
-    launched = replayed_campaign(path, 4, stack, {"moe_token_dispatcher_type": "alltoall"}, (1, 2, 4, 8))
+    """Each trial's two workers need two nodes: the two of rack-a, never one of them with rack-b's."""
+    path = campaign_file(tmp_path, max_trials=1, space=SPACE, accelerator="h200", gpus_per_node=1,
+                         gpus_per_trial=2, nodes=3, launcher="ray_train")
+    stack = probe() | {"device_count": 1, "device_memory_bytes": 192 * 2**30}
+    launched = replayed_campaign(path, 2, stack, {"moe_token_dispatcher_type": "alltoall"}, (1, 2, 4, 8))
     assert len(launched) == 2  # 1 screened, 1 promoted
     for entry in launched:
         workers = entry.contract.workers
-        assert len(workers) == 4
-        assert {racks[w.node_id] for w in workers} == {w.nvlink_domain for w in workers}
-        assert len({w.nvlink_domain for w in workers}) == 1, workers
+        assert len({w.node_id for w in workers}) == 2, workers
+        assert [racks[w.node_id] for w in workers] == [w.nvlink_domain for w in workers] == ["rack-a"] * 2
         assert entry.contract.environment == {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}  # Hopper, TP 1, no DeepEP
 
 
@@ -144,24 +146,25 @@ HYBRID_EP_SPACE = {
 }
 
 
-def gb200_hybrid_ep_trials(tmp_path: Path, trays: tuple[str, str], expert_parallel: int,
+def gb200_hybrid_ep_trials(tmp_path: Path, trays: tuple[str, str], expert_parallel: int, gpus_per_tray: int,
                            imex_channels: int) -> list:
     """A HybridEP campaign of EP ``expert_parallel`` (one GPU per rank) replayed on two GB200 trays
-    of 2 GPUs (small, for the test) labelled with ``trays``' domains, whose recorded probe holds
-    ``imex_channels``; its launched trials, each checked to have run."""
+    of ``gpus_per_tray`` GPUs (small, for the test: each rank is a Ray Train worker to start)
+    labelled with ``trays``' domains, whose recorded probe holds ``imex_channels``; its launched
+    trials, each checked to have run."""
     space = HYBRID_EP_SPACE | {"target": HYBRID_EP_SPACE["target"] | {"gpus_per_trial": expert_parallel},
                                "fixed": HYBRID_EP_SPACE["fixed"] | {"expert_model_parallel_size": expert_parallel}}
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0})
     for domain in trays:
-        cluster.add_node(num_cpus=4, num_gpus=2, labels={NVLINK_DOMAIN_LABEL: domain})
+        cluster.add_node(num_cpus=4, num_gpus=gpus_per_tray, labels={NVLINK_DOMAIN_LABEL: domain})
     ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
     try:
-        path = campaign_file(tmp_path, max_trials=1, space=space, accelerator="gb200", gpus_per_node=2,
+        path = campaign_file(tmp_path, max_trials=1, space=space, accelerator="gb200", gpus_per_node=gpus_per_tray,
                              gpus_per_trial=expert_parallel, nodes=2, launcher="ray_train")
         campaign = yaml.safe_load(path.read_text())
         campaign["trainable"] = "megatron"
         path.write_text(yaml.safe_dump(campaign))
-        stack = probe() | {"accelerator": "gb200", "device_count": 2, "device_memory_bytes": 192 * 2**30,
+        stack = probe() | {"accelerator": "gb200", "device_count": gpus_per_tray, "device_memory_bytes": 192 * 2**30,
                            "megatron_core": "0.19.2", "transformer_engine": "2.20.2", "hybrid_ep": True,
                            "imex_channels": imex_channels}
         launched = replayed_campaign(path, expert_parallel, stack, space["fixed"], (1, 2))
@@ -173,15 +176,15 @@ def gb200_hybrid_ep_trials(tmp_path: Path, trays: tuple[str, str], expert_parall
     return launched
 
 
-@pytest.mark.parametrize("trays, ranks_per_domain", [(("rack-a", "rack-a"), "4"), (("rack-a", "rack-b"), "2")],
+@pytest.mark.parametrize("trays, ranks_per_domain", [(("rack-a", "rack-a"), "2"), (("rack-a", "rack-b"), "1")],
                          ids=["one-rack", "two-racks"])
 def test_a_hybrid_ep_trial_is_told_how_many_of_its_ranks_share_an_nvlink_domain(
         tmp_path: Path, trays: tuple[str, str], ranks_per_domain: str) -> None:
-    """Two GB200 trays (of 2 GPUs here, to keep the test small); each trial's EP group of 4 takes
-    both. In one rack its 4 ranks share one NVLink domain across the trays (MNNVL); over two racks
-    each holds 2 of them."""
-    for entry in gb200_hybrid_ep_trials(tmp_path, trays, expert_parallel=4, imex_channels=1):
-        assert [w.nvlink_domain for w in entry.contract.workers] == [trays[0]] * 2 + [trays[1]] * 2
+    """Two GB200 trays (of one GPU here, to keep the test small); each trial's EP group of 2 takes
+    both. In one rack its 2 ranks share one NVLink domain across the trays (MNNVL); over two racks
+    each holds 1 of them."""
+    for entry in gb200_hybrid_ep_trials(tmp_path, trays, expert_parallel=2, gpus_per_tray=1, imex_channels=1):
+        assert [w.nvlink_domain for w in entry.contract.workers] == list(trays)
         assert entry.contract.environment == {"CUDA_DEVICE_MAX_CONNECTIONS": "32", "USE_MNNVL": "1",
                                               "NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN": ranks_per_domain}
 
@@ -189,7 +192,8 @@ def test_a_hybrid_ep_trial_is_told_how_many_of_its_ranks_share_an_nvlink_domain(
 def test_without_an_imex_channel_a_hybrid_ep_trial_stays_on_one_tray(tmp_path: Path) -> None:
     """Two GB200 trays of one rack whose processes hold no IMEX channel: each trial's EP group of 2
     runs on one tray (planned by node id), told its tray is its domain, without MNNVL."""
-    for entry in gb200_hybrid_ep_trials(tmp_path, ("rack-a", "rack-a"), expert_parallel=2, imex_channels=0):
+    for entry in gb200_hybrid_ep_trials(tmp_path, ("rack-a", "rack-a"), expert_parallel=2, gpus_per_tray=2,
+                                        imex_channels=0):
         assert len({w.node_id for w in entry.contract.workers}) == 1, entry.contract.workers
         assert entry.contract.environment == {"CUDA_DEVICE_MAX_CONNECTIONS": "32", "USE_MNNVL": "0",
                                               "NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN": "2"}
