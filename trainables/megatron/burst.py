@@ -464,7 +464,7 @@ def _trained(request: BurstRequest, device: torch.device, build: BuildClock, rep
     records: list[StepRecord] = []
     try:
         built.append(build_run(request, device, build))
-        outcome = run_steps(request.steps, lambda step: _train_step(built[0], step, reporter), records)
+        outcome = run_steps(device, request.steps, lambda step: _train_step(built[0], step, reporter), records)
         return BurstResult(outcome=outcome, records=tuple(records), contract=built[0].contract(),
                            evidence=built[0].evidence())
     except InvalidConfig as exc:

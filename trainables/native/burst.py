@@ -195,7 +195,7 @@ def run_rank(request: BurstRequest, device: torch.device, reporter: Reporter | N
 
     try:
         with _cpu_memory_cap(device, request.cpu_memory_cap_bytes):
-            outcome = run_steps(request.steps, lambda step: _train_step(run, step, reporter), records)
+            outcome = run_steps(device, request.steps, lambda step: _train_step(run, step, reporter), records)
     except OOM_ERRORS as exc:
         return _release(BurstResult(outcome="oom", records=tuple(records), error=f"{type(exc).__name__}: {exc}",
                                     before_first_step=first_step_until_out_of_memory()), device)
