@@ -360,9 +360,9 @@ class StepReport:
     build_phases: tuple[TimedPart, ...] = ()
     """With the first step's report only: the trainable's set-up, part by part, as it timed it."""
     began_at: float | None = None
-    """With the first step's report only: when the reporting rank began that step (``time.time()``).
-    Its own clock, not the record's: the record's step time is the slowest rank's, and a rank that
-    finished its build first waits for the others inside its first step."""
+    """With the first step's report only: when the reporting rank began that step (``time.time()``),
+    by its own clock: the record's step time is the slowest rank's, and the report leaves after the
+    step's reduction over the ranks."""
 
 
 Reporter = Callable[[StepReport], bool]
