@@ -340,3 +340,27 @@ def test_a_rank_that_never_joins_is_named_once_the_rendezvous_times_out(tmp_path
     with pytest.raises(TimeoutError, match="rank 0 did not serve the burst's store within 1 s"):
         launch._rendezvous_store(str(tmp_path), 1, 2)
     assert time.monotonic() - started < 10
+
+
+def test_a_straggler_writes_where_it_was_stuck_before_it_is_killed(warm: str, tmp_path: Path) -> None:
+    """A rank still running after a peer ended is killed; first it writes its threads' stacks,
+    the only trace of where it was stuck (a rank that never joined its process group, say)."""
+    ours, theirs = Pipe()
+    with theirs:
+        child = Zygote(warm).fork("test_zygote:rank_stuck_in_a_test", (str(tmp_path),), theirs)
+    assert ours.recv() == "stuck"
+    assert launch._end_stragglers([child], str(tmp_path)) == {0}
+    child.join(timeout=30)
+    assert child.exitcode == -signal.SIGKILL
+    assert "waits_forever_for_a_peer" in launch._rank_stack(str(tmp_path), 0)
+
+
+def rank_stuck_in_a_test(relay, out_dir: str) -> None:
+    with launch._stack_on_signal(out_dir, 0):
+        relay.send("stuck")
+        waits_forever_for_a_peer()
+
+
+def waits_forever_for_a_peer() -> None:
+    while True:
+        time.sleep(1)

@@ -10,6 +10,7 @@ instead and calls the same rank runner (:func:`trainables.rank_runner`)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import multiprocessing as mp
@@ -23,7 +24,7 @@ from dataclasses import replace
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Mapping, TypeVar
+from typing import TYPE_CHECKING, Callable, Iterator, Mapping, TypeVar
 
 from autotune.core.contract import BurstRequest, BurstResult, RankStart, RanksStarted, Reporter, StepReport, TimedPart
 from autotune.core.errors import AutotuneError
@@ -121,33 +122,74 @@ def _rank_main(
     global _allocated_at_first_start
     import torch
 
-    try:
-        torch.set_num_threads(cpu_threads_per_rank(world_size))
-        device = device_for(rank)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-            if _allocated_at_first_start is None:
-                _allocated_at_first_start = torch.cuda.memory_allocated(device)
-        _join_process_group("nccl" if device.type == "cuda" else "gloo", out_dir, rank, world_size)
+    with _stack_on_signal(out_dir, rank):
         try:
-            reporter = _RelayedReporter(relay) if relayed and rank == 0 else None
-            called_at = time.perf_counter()
-            result = rank_runner(trainable)(request, device, reporter)
-            returned_at = time.perf_counter()
-        finally:
-            ended = _end_process_groups(world_size)
-        # The burst's end begins at the last verdict, or, out of memory before a step, where the
-        # trainable timed the out of memory (its parts add up from its call).
-        end_began_at = (reporter.last_verdict_at if reporter is not None and reporter.last_verdict_at is not None
-                        else called_at + sum(part.seconds for part in result.before_first_step)
-                        if result.before_first_step else None)
-        if end_began_at is not None:
-            result = replace(result, teardown=(*_trainables_end(returned_at - end_began_at, result.release),
-                                               TimedPart(ended, round(time.perf_counter() - returned_at, 4))))
-    except Exception:  # noqa: BLE001 - a rank that cannot start reports why instead of an exit code
-        result = BurstResult(outcome="failed", error=f"rank {rank} could not start:\n{traceback.format_exc()}")
-    Path(out_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
+            torch.set_num_threads(cpu_threads_per_rank(world_size))
+            device = device_for(rank)
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+                if _allocated_at_first_start is None:
+                    _allocated_at_first_start = torch.cuda.memory_allocated(device)
+            _join_process_group("nccl" if device.type == "cuda" else "gloo", out_dir, rank, world_size)
+            try:
+                reporter = _RelayedReporter(relay) if relayed and rank == 0 else None
+                called_at = time.perf_counter()
+                result = rank_runner(trainable)(request, device, reporter)
+                returned_at = time.perf_counter()
+            finally:
+                ended = _end_process_groups(world_size)
+            # The burst's end begins at the last verdict, or, out of memory before a step, where the
+            # trainable timed the out of memory (its parts add up from its call).
+            end_began_at = (reporter.last_verdict_at if reporter is not None and reporter.last_verdict_at is not None
+                            else called_at + sum(part.seconds for part in result.before_first_step)
+                            if result.before_first_step else None)
+            if end_began_at is not None:
+                result = replace(result, teardown=(*_trainables_end(returned_at - end_began_at, result.release),
+                                                   TimedPart(ended, round(time.perf_counter() - returned_at, 4))))
+        except Exception:  # noqa: BLE001 - a rank that cannot start reports why instead of an exit code
+            result = BurstResult(outcome="failed", error=f"rank {rank} could not start:\n{traceback.format_exc()}")
+        Path(out_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
     return functools.partial(_clean_after_burst, rank, device) if result.outcome in KEPT_OUTCOMES else None
+
+
+STACK_SIGNAL = signal.SIGUSR1
+"""What makes a rank write its threads' Python stacks (``faulthandler``) before it is killed."""
+STACK_WAIT_SECONDS = 1.0
+
+
+@contextlib.contextmanager
+def _stack_on_signal(out_dir: str, rank: int) -> Iterator[None]:
+    """While the block runs, :data:`STACK_SIGNAL` makes this process write every thread's stack to
+    ``rank{rank}.stack`` in ``out_dir``: a rank killed as a straggler (:func:`_end_stragglers`)
+    leaves no other trace of where it was stuck."""
+    import faulthandler
+
+    with Path(out_dir, f"rank{rank}.stack").open("w") as stacks:
+        faulthandler.register(STACK_SIGNAL, file=stacks, all_threads=True)
+        try:
+            yield
+        finally:
+            faulthandler.unregister(STACK_SIGNAL)
+
+
+def _rank_stack(out_dir: str, rank: int) -> str:
+    path = Path(out_dir, f"rank{rank}.stack")
+    return path.read_text().strip() if path.exists() else ""
+
+
+def _end_stragglers(processes: list[ZygoteChild], out_dir: str) -> set[int]:
+    """Kill the ranks still running, each once it has written its stacks (up to
+    :data:`STACK_WAIT_SECONDS`); the ranks killed."""
+    stuck = {rank: process for rank, process in enumerate(processes) if process.is_alive()}
+    for process in stuck.values():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, STACK_SIGNAL)
+    deadline = time.monotonic() + STACK_WAIT_SECONDS
+    while time.monotonic() < deadline and not all(_rank_stack(out_dir, rank) for rank in stuck):
+        time.sleep(0.05)
+    for process in stuck.values():
+        process.kill()
+    return set(stuck)
 
 
 def _trainables_end(seconds: float, release: tuple[TimedPart, ...]) -> tuple[TimedPart, ...]:
@@ -327,7 +369,7 @@ def run_local(request: BurstRequest, reporter: Reporter | None = None, trainable
                     ))
             if processes and all(process.kept for process in processes):
                 start = "kept"
-            stragglers, last_verdict_at = _supervise(processes, relays[0], reporter, start, request.environment)
+            stragglers, last_verdict_at = _supervise(processes, relays[0], reporter, start, request.environment, out_dir)
             exited_at = time.perf_counter()
         finally:
             for process in processes:
@@ -344,7 +386,14 @@ def run_local(request: BurstRequest, reporter: Reporter | None = None, trainable
                 results.append(BurstResult(outcome="failed", error=_exit_reason(rank, process.exitcode)))
         if len(processes) < request.world_size:  # a rank could not be forked: its peers wait for it in vain
             results.append(BurstResult(outcome="failed", error=f"rank {len(processes)} could not be started"))
+        stuck = "\n".join(f"rank {rank} was still running {STRAGGLER_GRACE_SECONDS:.0f} s after another rank had "
+                          f"ended and was killed; its stacks then:\n{_rank_stack(out_dir, rank) or '(none written)'}"
+                          for rank in sorted(stragglers))
     merged = merge_rank_results(results)
+    if stuck and merged.outcome in ("ok", "pruned"):
+        log.warning("%s", stuck)
+    elif stuck:
+        merged = replace(merged, error=f"{merged.error}\n{stuck}")
     if last_verdict_at is not None and merged.teardown:
         # From here the last verdict left to the last rank's exit, less what rank 0 timed itself:
         # the verdict's way, the result file, the process's end (on CUDA, its context's), the zygote's word.
@@ -391,9 +440,10 @@ def _exit_reason(rank: int, exitcode: int | None) -> str:
 
 
 def _supervise(processes: list[ZygoteChild], relay: Connection, reporter: Reporter | None, start: RanksStarted,
-               environment: Mapping[str, str]) -> tuple[set[int], float | None]:
+               environment: Mapping[str, str], out_dir: str) -> tuple[set[int], float | None]:
     """Relay rank 0's reports to ``reporter`` until every rank exits; kill ranks left stuck
-    after another one exited (they wait in a collective for a rank that is gone). Returns them,
+    after another one exited (they wait in a collective for a rank that is gone, or never joined
+    it), their stacks written to ``out_dir`` first. Returns them,
     and when the last verdict was sent (``time.perf_counter()``; ``None``: no report came).
     It wakes on a report or an exit as it comes: the burst ends as soon as its last rank has."""
     first_exit: float | None = None
@@ -412,10 +462,7 @@ def _supervise(processes: list[ZygoteChild], relay: Connection, reporter: Report
         if first_exit is None and any(not process.is_alive() for process in processes):
             first_exit = time.monotonic()
         if first_exit is not None and time.monotonic() - first_exit > STRAGGLER_GRACE_SECONDS:
-            for rank, process in enumerate(processes):
-                if process.is_alive():
-                    process.kill()
-                    stragglers.add(rank)
+            stragglers |= _end_stragglers(processes, out_dir)
     return stragglers, last_verdict_at
 
 
