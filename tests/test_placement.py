@@ -91,8 +91,8 @@ SPACE = {
 def racks():
     """A head without GPUs and three one-GPU nodes (CPUs to spare, as GPU nodes have, for trial
     drivers landing there): two in rack-a, one in rack-b. One GPU a node keeps the trials' worker
-    groups at two workers (each a process to start: 13 s a trial on this 2-core box, 20 s with
-    four), and makes every trial span nodes."""
+    groups at two workers (each a process to start: a bare ``TorchTrainer.fit`` took 13-15 s on
+    this 2-core box, 20-21 s with four), and makes every trial span nodes."""
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0})
     for domain in ("rack-a", "rack-a", "rack-b"):
         cluster.add_node(num_cpus=8, num_gpus=1, labels={NVLINK_DOMAIN_LABEL: domain})
