@@ -160,7 +160,9 @@ def finish_step(run: RankRun, step: int, local: LocalMeasures, reporter: Reporte
     :class:`StepReport` with the evidence so far and, at step 0, the contract; its ``False`` on
     rank 0 stops every rank after this step. Returns the record and whether to stop.
     """
-    began_at = time.time() - local.step_seconds  # before the reduction, which waits for the slowest rank
+    first = step == 0
+    # when this rank began its first step, taken before the reduction, which waits for the slowest rank
+    began_at = time.time() - local.step_seconds if first else None
     times, counts, peak = _reduce(run, local)
     step_seconds, data_wait, vision, projector = times
     useful, image, loss_tokens, samples, flops, skipped, loss_sum, loss_ranks = counts
@@ -182,9 +184,8 @@ def finish_step(run: RankRun, step: int, local: LocalMeasures, reporter: Reporte
     )
     stop = False
     if reporter is not None:
-        first = step == 0
         report = StepReport(record, run.evidence(), run.contract() if first else None,
-                            build_phases=tuple(run.build_phases) if first else (), began_at=began_at if first else None)
+                            build_phases=tuple(run.build_phases) if first else (), began_at=began_at)
         stop = not reporter(report) and run.rank == 0
     return record, _rank_zero_says(run, stop)
 
