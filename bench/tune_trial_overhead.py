@@ -51,7 +51,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results/tune_trial_overhead_cpu.json"))
     args = parser.parse_args()
     os.environ["TUNE_DISABLE_AUTO_CALLBACK_LOGGERS"] = "1"
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     with tempfile.TemporaryDirectory(prefix="tune-overhead-") as storage:
         per_trial = {"new_process": one_run(args.trials, args.seconds, False, storage),
                      "reused_process": one_run(args.trials, args.seconds, True, storage)}

@@ -1,8 +1,9 @@
-"""Shared builders for rule contexts and configs."""
+"""Shared builders for rule contexts and configs, campaigns and Ray clusters."""
 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -147,6 +148,35 @@ def campaign_file(folder: Path, *, max_trials: int, top_k: int = 1, space: dict 
     return path
 
 
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def multi_node_cluster(**head_args: Any):
+    """A ``ray.cluster_utils`` cluster (its head started) whose dashboard has a port of its own:
+    Ray Train's placement-group cleaner asks the state API, served by the dashboard, whether its
+    controller still lives, and two heads started side by side (``bin/test`` runs tests two at a
+    time) both take 8265, leaving one without a dashboard. A controller that then dies instead of
+    ending keeps its worker group's placement group, and the next trial waits on it until the hang
+    watchdog (seen: a promotion stuck over 8 minutes)."""
+    from ray.cluster_utils import Cluster
+
+    return Cluster(initialize_head=True, head_node_args={"dashboard_port": free_port(), **head_args})
+
+
+def join_cluster(address: str, runtime_env: dict | None = None) -> None:
+    """Connect this process to the cluster at ``address``, its tasks and actors told that address:
+    Ray code in them that looks for "the" cluster of this machine (the state API, from Ray Train's
+    placement-group cleaner) takes the latest one started, another test's when tests run side by side."""
+    import ray
+
+    runtime_env = dict(runtime_env or {})
+    runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), "RAY_ADDRESS": address}
+    ray.init(address=address, log_to_driver=False, configure_logging=False, runtime_env=runtime_env)
+
+
 @pytest.fixture(scope="session")
 def cache_env(tmp_path_factory) -> dict[str, str]:
     return {**os.environ, "AUTOTUNE_CACHE": str(tmp_path_factory.mktemp("cache")), "RAY_ADDRESS": ""}
@@ -217,8 +247,10 @@ def small_table(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def ray_local():
+    """A new cluster of its own: a bare ``ray.init()`` joins the last one started on this machine,
+    another test's when tests run side by side."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()

@@ -27,7 +27,7 @@ from autotune.core.tool_flags import BRIDGE_COMPANION_KEYS, read_bridge_override
 from autotune.export import FORMATS, load_document, render
 from conftest import (
     NEXT_SPACE, OOM_CAP_GIB, OOM_SPACE, REPLAY_SPACE, SPACE, TEST_MODEL, autotune, campaign_file, entries,
-    only_run_dir,
+    join_cluster, multi_node_cluster, only_run_dir,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -497,7 +497,8 @@ def test_ray_train_launcher_runs_an_ep2_burst_on_a_two_worker_group(tmp_path, ph
     job = TrialJob(trainable="native", request=request, launcher="ray_train", objective="useful_tokens_per_s_per_gpu",
                    use_gpu=False, storage_path=str(tmp_path / "train"), data_source="shards")
     config = complete_config({"expert_model_parallel_size": 2, "micro_batch_size": 2, "moe_token_dispatcher_type": "alltoall"})
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    cluster = multi_node_cluster(num_cpus=2)  # Ray Train's placement-group cleaner needs its dashboard
+    join_cluster(cluster.address)
     try:
         results = tune.Tuner(
             tune.with_resources(tune.with_parameters(run_trial, job=job), job.trial_resources()),
@@ -506,6 +507,7 @@ def test_ray_train_launcher_runs_an_ep2_burst_on_a_two_worker_group(tmp_path, ph
         ).fit()
     finally:
         ray.shutdown()
+        cluster.shutdown()
     history = results[0].metrics_dataframe
     events = [read_result(row) for row in history.to_dict("records")]
     steps = [event for event in events if isinstance(event, StepEvent)]

@@ -27,7 +27,7 @@ from autotune.engine.driver import run_campaign
 from autotune.engine.live import LiveView
 from autotune.engine.rundir import TRIALS_FILE, RunDir, create_run_dir
 from autotune.search_benchmark import replay_campaign
-from conftest import campaign_file
+from conftest import campaign_file, join_cluster, multi_node_cluster
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -82,7 +82,7 @@ def worker_hook(name: str, **env: str) -> dict:
 def ray_with_stuck_bursts():
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env=worker_hook("stuck_small_batches"))
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env=worker_hook("stuck_small_batches"))
     yield
     ray.shutdown()
 
@@ -139,22 +139,20 @@ class NightCluster:
 
 
 def drive_campaign(address: str, runtime_env: dict, campaign, run_dir: Path) -> None:
-    import ray
-
-    ray.init(address=address, log_to_driver=False, configure_logging=False, runtime_env=runtime_env)
+    join_cluster(address, runtime_env)
     with LiveView(Console(file=StringIO()), campaign.space, campaign.spec.objective) as view:
         run_campaign(campaign, RunDir(run_dir), view)
 
 
 def night_cluster(folder: Path, nodes: int, cpus: int) -> Iterator[NightCluster]:
     """A head that runs nothing and ``nodes`` worker nodes of ``cpus`` CPUs; this process is
-    connected to it only to read the state API."""
+    connected to it only to read the state API (asked with the cluster's address: without one, it
+    refuses when the machine runs several clusters, as when tests run side by side)."""
     import ray
-    from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    cluster = multi_node_cluster(num_cpus=0)
     night = NightCluster(cluster, [cluster.add_node(num_cpus=cpus) for _ in range(nodes)], folder)
-    ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
+    join_cluster(cluster.address)
     try:
         yield night
     finally:
@@ -198,7 +196,8 @@ def test_a_trial_whose_node_dies_is_recorded_node_lost_and_runs_once_more_elsewh
     run_dir, driver = night.drive(campaign)
 
     def a_trial_in_its_burst():
-        alive = [a for a in list_actors(filters=[("state", "=", "ALIVE")]) if "ImplicitFunc" in a.class_name]
+        alive = [a for a in list_actors(address=night.cluster.address, filters=[("state", "=", "ALIVE")])
+                 if "ImplicitFunc" in a.class_name]
         return alive[0] if alive and night.started.exists() else None
 
     trial = wait_until(a_trial_in_its_burst, "no trial started its burst")
@@ -254,7 +253,7 @@ def test_a_worker_group_that_loses_a_node_under_a_living_trial_is_node_lost_and_
     run_dir, driver = night.drive(campaign)
 
     def a_worker_group_in_its_burst():
-        alive = list_actors(filters=[("state", "=", "ALIVE")])
+        alive = list_actors(address=night.cluster.address, filters=[("state", "=", "ALIVE")])
         trial = next((a for a in alive if "ImplicitFunc" in a.class_name), None)
         workers = [a for a in alive if "RayTrainWorker" in a.class_name]
         return (trial, workers) if trial and len(workers) == 2 and night.started.exists() else None

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import ray
 import yaml
-from ray.cluster_utils import Cluster
 from rich.console import Console
 
 from autotune.campaign import load_campaign
@@ -23,7 +22,7 @@ from autotune.engine.driver import run_campaign
 from autotune.engine.live import LiveView
 from autotune.engine.placement import NODE_LABEL, NVLINK_DOMAIN_LABEL, DomainPlanner, domain_label, label_selectors
 from autotune.engine.rundir import create_run_dir
-from conftest import campaign_file
+from conftest import campaign_file, join_cluster, multi_node_cluster
 from trainables.probe import probe
 
 
@@ -93,10 +92,10 @@ def racks():
     drivers landing there): two in rack-a, one in rack-b. One GPU a node keeps the trials' worker
     groups at two workers (each a process to start: a bare ``TorchTrainer.fit`` took 13-15 s on
     this 2-core box, 20-21 s with four), and makes every trial span nodes."""
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0})
+    cluster = multi_node_cluster(num_cpus=2, num_gpus=0)
     for domain in ("rack-a", "rack-a", "rack-b"):
         cluster.add_node(num_cpus=8, num_gpus=1, labels={NVLINK_DOMAIN_LABEL: domain})
-    ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
+    join_cluster(cluster.address)
     try:
         yield {n["NodeID"]: n["Labels"].get(NVLINK_DOMAIN_LABEL) for n in ray.nodes()}
     finally:
@@ -154,10 +153,10 @@ def gb200_hybrid_ep_trials(tmp_path: Path, trays: tuple[str, str], expert_parall
     trials, each checked to have run."""
     space = HYBRID_EP_SPACE | {"target": HYBRID_EP_SPACE["target"] | {"gpus_per_trial": expert_parallel},
                                "fixed": HYBRID_EP_SPACE["fixed"] | {"expert_model_parallel_size": expert_parallel}}
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0})
+    cluster = multi_node_cluster(num_cpus=2, num_gpus=0)
     for domain in trays:
         cluster.add_node(num_cpus=4, num_gpus=gpus_per_tray, labels={NVLINK_DOMAIN_LABEL: domain})
-    ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
+    join_cluster(cluster.address)
     try:
         path = campaign_file(tmp_path, max_trials=1, space=space, accelerator="gb200", gpus_per_node=gpus_per_tray,
                              gpus_per_trial=expert_parallel, nodes=2, launcher="ray_train")
