@@ -154,7 +154,12 @@ def _rank_main(
 
 STACK_SIGNAL = signal.SIGUSR1
 """What makes a rank write its threads' Python stacks (``faulthandler``) before it is killed."""
-STACK_WAIT_SECONDS = 1.0
+STACK_WAIT_SECONDS = 3.0
+"""How long stragglers get to write their stacks before they are killed anyway."""
+STACK_SETTLE_SECONDS = 0.25
+"""A stack file counts as written once it has stopped growing this long: ``faulthandler`` writes it
+piece by piece from its signal handler and tells no one when it is done, and a rank killed as soon
+as its file had a first line left half its stack (a CI run on a loaded 2-core box, 2026-12-07)."""
 
 
 @contextlib.contextmanager
@@ -184,8 +189,17 @@ def _end_stragglers(processes: list[ZygoteChild], out_dir: str) -> set[int]:
     for process in stuck.values():
         with contextlib.suppress(ProcessLookupError):
             os.kill(process.pid, STACK_SIGNAL)
+    sizes = {rank: 0 for rank in stuck}
+    grew_at = dict.fromkeys(stuck, time.monotonic())
     deadline = time.monotonic() + STACK_WAIT_SECONDS
-    while time.monotonic() < deadline and not all(_rank_stack(out_dir, rank) for rank in stuck):
+    while time.monotonic() < deadline:
+        now = time.monotonic()
+        for rank in stuck:
+            size = len(_rank_stack(out_dir, rank))
+            if size != sizes[rank]:
+                sizes[rank], grew_at[rank] = size, now
+        if all(sizes[rank] and now - grew_at[rank] >= STACK_SETTLE_SECONDS for rank in stuck):
+            break
         time.sleep(0.05)
     for process in stuck.values():
         process.kill()
