@@ -63,6 +63,7 @@ def one_burst(name: str, steps: int, warm_ranks: str | None) -> dict:
         "first_step_end_s": (first_report[0] - started) if first_report else None,
         "burst_return_s": ended - started,
         "rank_start": None if result.contract is None else result.contract.rank_start,
+        "teardown_s": {part.name: part.seconds for part in result.teardown},
     }
 
 

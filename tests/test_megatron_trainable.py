@@ -64,12 +64,12 @@ made = groups()
 parallel_state.get_global_memory_buffer().buffer[("mpu", torch.bfloat16)] = torch.empty(1 << 20, dtype=torch.bfloat16)
 _release(None, BuildClock(torch.device("cpu"), synchronize=False))
 seen["buffer_emptied"] = parallel_state.get_global_memory_buffer().buffer == {}
-seen["end"] = launch._end_process_groups(1)
+seen["end"] = launch._end_process_groups(keep_world=True)
 seen["groups_kept"] = groups() == made
 launch._join_process_group("gloo", tempfile.mkdtemp(), 0, 1)  # a kept rank's next burst: the same world
 seen["second"] = parallel_groups(config)
 seen["the_same_groups"] = groups() == made
-launch._end_process_groups(2)  # a world of more ranks ends whole: the kept groups go with it
+launch._end_process_groups(keep_world=False)  # a world that ends (a burst of ranks left unbalanced): the groups go with it
 launch._join_process_group("gloo", tempfile.mkdtemp(), 0, 1)
 seen["after_a_new_world"] = parallel_groups(config)
 seen["new_groups"] = len(groups()) == len(made) and not groups() & made

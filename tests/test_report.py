@@ -126,7 +126,8 @@ def test_what_a_trial_spent_outside_its_steps_is_its_time_less_its_recorded_step
         if entry.outcome == "pruned":
             assert not ending, ending
         else:
-            assert list(ending) == ["the trainable's end (its result, release)", "process group destroyed",
+            assert list(ending) == ["the trainable's end (its result, release)",
+                                    "the burst's own process groups destroyed, the world's kept",
                                     "the ranks' exit"], (entry.outcome, ending)
             assert 0 < sum(ending.values()) <= parts["after_steps"] + 0.01, (ending, parts)
     # the first step's warm-up, inside the steps: step 0 against the trial's median step

@@ -54,7 +54,7 @@ def test_a_burst_in_ranks_kept_from_another_config_matches_a_burst_from_a_new_zy
                                                                                   tmp_path: Path, world_size: int) -> None:
     """The issue's proof for a kept rank: the same config, after a different one ran in the same
     processes, gives the same loss curve (same seed) and a throughput within noise of new processes.
-    A kept rank of one runs in the process group its first burst made, every other burst makes its own."""
+    Kept ranks run in the process group their first burst made."""
     other = run_local(burst(photo_shards, 3, world_size, micro_batch_size=4, recompute_granularity="full"),
                       warm_ranks=warm)
     assert other.outcome == "ok", other.error
@@ -65,7 +65,7 @@ def test_a_burst_in_ranks_kept_from_another_config_matches_a_burst_from_a_new_zy
     from_new = run_local(config, reporter=lambda report: True, warm_ranks=new_zygote(tmp_path, "fresh.sock"))
     for result in (after_other, from_new):
         assert result.outcome == "ok", result.error
-        assert result.teardown[1].name == (launch.WORLD_KEPT if world_size == 1 else launch.WORLD_DESTROYED)
+        assert result.teardown[1].name == launch.WORLD_KEPT
     assert (after_other.contract.rank_start, from_new.contract.rank_start) == ("kept", "warm")
     # Same seed, same data, same arithmetic: the same loss at every step, bit for bit.
     assert [r.loss for r in after_other.records] == [r.loss for r in from_new.records]
@@ -74,6 +74,23 @@ def test_a_burst_in_ranks_kept_from_another_config_matches_a_burst_from_a_new_zy
              for result in (after_other, from_new)]
     assert all(rate is not None for rate in rates)
     assert rates[0].mean == pytest.approx(rates[1].mean, rel=max(0.3, 3 * rates[1].relative_half_width))
+
+
+def test_kept_ranks_of_two_run_expert_parallel_fsdp_and_pruned_bursts_in_one_world(photo_shards: Path, warm: str,
+                                                                                    tmp_path: Path) -> None:
+    """One world through bursts that make groups of their own (expert parallel), shard over it
+    (FSDP2) or stop early (pruned): each burst's groups go at its end, the world stays, and a burst
+    after them trains as in new processes, loss for loss."""
+    expert_parallel = burst(photo_shards, 3, expert_model_parallel_size=2)
+    pruned = run_local(expert_parallel, reporter=lambda report: report.record.step < 1, warm_ranks=warm)
+    sharded = run_local(burst(photo_shards, 2, use_torch_fsdp2=True), reporter=lambda report: True, warm_ranks=warm)
+    after = run_local(expert_parallel, reporter=lambda report: True, warm_ranks=warm)
+    from_new = run_local(expert_parallel, warm_ranks=new_zygote(tmp_path, "fresh.sock"))
+    assert [r.outcome for r in (pruned, sharded, after, from_new)] == ["pruned", "ok", "ok", "ok"], \
+        [r.error for r in (pruned, sharded, after, from_new)]
+    assert [r.contract.rank_start for r in (pruned, sharded, after)] == ["warm", "kept", "kept"]
+    assert {r.teardown[1].name for r in (sharded, after)} == {launch.WORLD_KEPT}
+    assert [r.loss for r in after.records] == [r.loss for r in from_new.records]
 
 
 def test_an_oom_or_a_killed_rank_leaves_the_zygote_serving(photo_shards: Path, warm: str) -> None:
@@ -242,6 +259,54 @@ def send_pid(relay, healthy: bool):
     """A target that a kept child runs: its check passes or fails (see ``trainables.launch._rank_main``)."""
     relay.send(os.getpid())
     return lambda: healthy
+
+
+def join_world(relay, folder: str, rank: int, world_size: int, healthy: bool):
+    """A target that joins a burst's world as a rank does, sums its rank + 1 over it, and keeps it."""
+    import torch
+    import torch.distributed as dist
+
+    launch._join_process_group("gloo", folder, rank, world_size)
+    total = torch.tensor([rank + 1.0])
+    dist.all_reduce(total)
+    relay.send((launch._world_id, total.item()))
+    launch._end_process_groups(keep_world=True)
+    return lambda: healthy
+
+
+def test_kept_ranks_of_several_run_in_the_world_they_made_until_one_of_them_is_replaced(warm: str,
+                                                                                       tmp_path: Path) -> None:
+    """Two ranks kept together join the world their first burst made; once one is replaced (its
+    check failed), both make a new world; a burst of another size in a kept rank makes its own."""
+    def run(world_size: int = 2, healthy: tuple[bool, ...] = (True, True)) -> list[tuple[str, float, int, bool]]:
+        folder = tmp_path / f"burst{len(list(tmp_path.iterdir()))}"
+        folder.mkdir()
+        children, relays = [], []
+        for rank in range(world_size):
+            ours, theirs = Pipe()
+            with theirs:
+                children.append(Zygote(warm).fork("test_zygote:join_world", (str(folder), rank, world_size,
+                                                                            healthy[rank]), theirs,
+                                                  keep_as="world", slot=rank))
+            relays.append(ours)
+        sent = [relay.recv() for relay in relays]
+        for child in children:
+            child.join(timeout=60)
+            assert child.exitcode == 0
+        return [(world, total, child.pid, child.kept) for (world, total), child in zip(sent, children)]
+
+    first = run()
+    world, pids = first[0][0], [pid for *_, pid, _ in first]
+    assert [(w, total, kept) for w, total, _, kept in first] == [(world, 3.0, False)] * 2
+    assert run() == [(world, 3.0, pid, True) for pid in pids]
+    assert run(healthy=(True, False)) == [(world, 3.0, pid, True) for pid in pids]  # rank 1 exits after
+    _wait_until_gone(pids[1])
+    replaced = run()
+    assert [(w, total, pid, kept) for w, total, pid, kept in replaced][0][2:] == (pids[0], True)
+    assert replaced[1][2:][1] is False and replaced[0][0] == replaced[1][0] != world
+    assert [total for _, total, _, _ in replaced] == [3.0, 3.0]
+    alone = run(world_size=1)
+    assert alone[0][1:] == (1.0, pids[0], True) and alone[0][0] != replaced[0][0]
 
 
 def _children_of_zygote(address: str) -> set[int]:

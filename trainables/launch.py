@@ -20,6 +20,7 @@ import signal
 import tempfile
 import time
 import traceback
+import uuid
 from dataclasses import replace
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
@@ -131,13 +132,15 @@ def _rank_main(
                 if _allocated_at_first_start is None:
                     _allocated_at_first_start = torch.cuda.memory_allocated(device)
             _join_process_group("nccl" if device.type == "cuda" else "gloo", out_dir, rank, world_size)
+            outcome = None
             try:
                 reporter = _RelayedReporter(relay) if relayed and rank == 0 else None
                 called_at = time.perf_counter()
                 result = rank_runner(trainable)(request, device, reporter)
                 returned_at = time.perf_counter()
+                outcome = result.outcome
             finally:
-                ended = _end_process_groups(world_size)
+                ended = _end_process_groups(keep_world=world_size == 1 or outcome in BALANCED_OUTCOMES)
             # The burst's end begins at the last verdict, or, out of memory before a step, where the
             # trainable timed the out of memory (its parts add up from its call).
             end_began_at = (reporter.last_verdict_at if reporter is not None and reporter.last_verdict_at is not None
@@ -218,23 +221,55 @@ def _trainables_end(seconds: float, release: tuple[TimedPart, ...]) -> tuple[Tim
 
 WORLD_KEPT = "the burst's own process groups destroyed, the world's kept"
 WORLD_DESTROYED = "process group destroyed"
+BALANCED_OUTCOMES = ("ok", "pruned")
+"""How a burst of several ranks ends with every rank out of the same collectives (a pruned burst's
+ranks leave at the same step, :func:`trainables.steps._rank_zero_says`): its world may serve the
+next burst of the same processes. After another end, a rank may have left a peer inside a
+collective whose messages would meet the next burst's."""
+_world_id: str | None = None
+"""Which world this process's default process group is, for a world of several ranks: drawn by
+rank 0 of the burst that made it. Ranks that all hold the same one are the processes that made it
+and have run every burst since together (a rank that ran a burst with another peer made a new one)."""
 
 
 def _join_process_group(backend: str, folder: str, rank: int, world_size: int) -> None:
-    """Make this burst's process group, its ranks meeting in ``folder``, or, in a kept rank of
-    one-rank bursts, take the one an earlier burst made: a world of one has no peer that could have
-    been replaced since, and destroying an NCCL world took 0.95 s of each trial's end on an H100
-    (the median trial of ``bench/results/h100_kept_ranks_te_20261206/``). A world of more ranks is
-    made anew: a kept rank's peers may be new processes."""
+    """Make this burst's process group, its ranks meeting in ``folder``, or, in kept ranks, take the
+    one an earlier burst made where every rank of this burst made it together. Destroying an NCCL
+    world took 0.95 s of each trial's end on an H100 (a world of one, the median trial of
+    ``bench/results/h100_kept_ranks_te_20261206/``), and a new one pays its communicators' set-up
+    again at its first collectives. A world of one has no peer that could have been replaced since;
+    a world of more is kept only where all of this burst's ranks hold the same world, at the same
+    rank: one new process among them (a peer replaced after an out of memory) and all make a new one."""
+    global _world_id
     import torch.distributed as dist
 
+    held = dist.is_initialized() and dist.get_backend() == backend and dist.get_world_size() == world_size
+    if held and world_size == 1:
+        return
+    store = _rendezvous_store(folder, rank, world_size)
+    if _all_ranks_hold(store, rank, world_size, _world_id if held and dist.get_rank() == rank else None):
+        return
     if dist.is_initialized():
-        if world_size == 1 and dist.get_world_size() == 1 and dist.get_backend() == backend:
-            return
         dist.destroy_process_group()
         kept_groups.forget()  # they went with the world
-    dist.init_process_group(backend, store=_rendezvous_store(folder, rank, world_size), rank=rank,
-                            world_size=world_size, timeout=RANK_TIMEOUT)
+    if rank == 0:
+        store.set("world", uuid.uuid4().hex)
+    _world_id = store.get("world").decode()
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=RANK_TIMEOUT)
+
+
+def _all_ranks_hold(store: torch.distributed.Store, rank: int, world_size: int, world: str | None) -> bool:
+    """Whether every rank of the burst holds ``world`` (this rank's, ``None``: none to offer), asked
+    through the burst's store; the same answer on every rank. Rank 0 serves the store and returns
+    only once every peer has read the answer: a kept world no longer needs the store, which goes
+    with rank 0's return."""
+    store.set(f"rank {rank} holds", world or "")
+    held = [store.get(f"rank {peer} holds").decode() for peer in range(world_size)]
+    if rank == 0:
+        store.wait([f"rank {peer} read" for peer in range(1, world_size)])
+    else:
+        store.set(f"rank {rank} read", "")
+    return world is not None and all(other == world for other in held)
 
 
 STORE_PORT_FILE = "store_port"
@@ -280,18 +315,21 @@ def _rendezvous_store(folder: str, rank: int, world_size: int) -> torch.distribu
     return store
 
 
-def _end_process_groups(world_size: int) -> str:
+def _end_process_groups(keep_world: bool) -> str:
     """End what the burst made of the process groups; what was done, for the teardown's part.
 
-    A one-rank world stays for the process's next burst (a kept rank), and so do the groups the
-    trainable keeps for its next burst there (:mod:`trainables.kept_groups`); the other groups it
-    made in it do not: kept, they would add up burst after burst, each NCCL one with its communicator."""
+    A kept world (``keep_world``) stays for the process's next burst (a kept rank), and so do the
+    groups the trainable keeps for its next burst there (:mod:`trainables.kept_groups`); the other
+    groups it made in it do not: kept, they would add up burst after burst, each NCCL one with its
+    communicator."""
+    global _world_id
     import torch.distributed as dist
 
     if not dist.is_initialized():  # the trainable ended it itself
         kept_groups.forget()
+        _world_id = None
         return WORLD_DESTROYED
-    if world_size == 1:
+    if keep_world:
         try:
             spared = kept_groups.kept()
             for group in list(dist.distributed_c10d._world.pg_map):
@@ -303,6 +341,7 @@ def _end_process_groups(world_size: int) -> str:
                         exc_info=True)
     dist.destroy_process_group()
     kept_groups.forget()
+    _world_id = None
     return WORLD_DESTROYED
 
 
