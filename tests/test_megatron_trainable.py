@@ -95,6 +95,63 @@ def test_a_kept_rank_of_one_keeps_megatrons_parallel_groups_for_its_next_burst()
                     "after_a_new_world": "parallel groups", "new_groups": True}
 
 
+KEPT_GROUPS_OF_TWO_SCENARIO = """
+import json, sys
+from pathlib import Path
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from autotune.core.knobs import complete_config
+from trainables import launch
+from trainables.megatron.burst import parallel_groups
+
+folder, rank = Path(sys.argv[1]), int(sys.argv[2])
+def next_burst(n):
+    (folder / str(n)).mkdir(exist_ok=True)
+    launch._join_process_group("gloo", str(folder / str(n)), rank, 2)
+def groups():
+    return set(dist.distributed_c10d._world.pg_map) - {dist.GroupMember.WORLD}
+
+expert_parallel, data_parallel, seen = complete_config({"expert_model_parallel_size": 2}), complete_config({}), {}
+next_burst(0)
+seen["first"] = parallel_groups(expert_parallel)
+made = groups()
+seen["end"] = launch._end_process_groups(keep_world=True)
+next_burst(1)
+seen["second"] = parallel_groups(expert_parallel)
+seen["the_same_groups"] = groups() == made
+total = torch.ones(1)
+dist.all_reduce(total, group=parallel_state.get_expert_model_parallel_group())
+seen["expert_parallel_sum"] = total.item()
+launch._end_process_groups(keep_world=True)
+next_burst(2)
+seen["another_layout"] = parallel_groups(data_parallel)
+seen["expert_parallel_size"] = parallel_state.get_expert_model_parallel_world_size()
+seen["none_of_the_last_layouts"] = not groups() & made
+print(json.dumps(seen))
+"""
+
+
+def test_kept_ranks_of_two_keep_megatrons_groups_for_a_burst_of_the_same_layout_only(tmp_path: Path) -> None:
+    """In a kept world of two ranks, a burst of the last burst's parallel layout takes its groups as
+    they are (and they work: an expert-parallel all-reduce over them); a burst of another layout
+    destroys them and makes its own."""
+    import json
+    import subprocess
+    import sys
+
+    ranks = [subprocess.Popen([sys.executable, "-c", KEPT_GROUPS_OF_TWO_SCENARIO, str(tmp_path), str(rank)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    for rank in ranks:
+        out, err = rank.communicate(timeout=300)
+        assert rank.returncode == 0, err[-3000:]
+        assert json.loads(out.strip().splitlines()[-1]) == {
+            "first": "parallel groups", "end": "the burst's own process groups destroyed, the world's kept",
+            "second": "parallel groups, kept from the last burst", "the_same_groups": True,
+            "expert_parallel_sum": 2.0, "another_layout": "parallel groups", "expert_parallel_size": 1,
+            "none_of_the_last_layouts": True}
+
+
 def build_on_meta(preset: str, overrides: dict | None = None, **knobs):
     from trainables.megatron.config_mapping import build_transformer_config
     from trainables.megatron.model import PORTABLE_FIELDS, MegatronMoEVLM

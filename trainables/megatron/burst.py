@@ -335,17 +335,22 @@ def build_run(request: BurstRequest, device: torch.device, build: BuildClock) ->
 
 
 def parallel_groups(config: Config) -> str:
-    """megatron-core's parallel groups for the burst: in a world of one, those the last burst of
-    this process made where it kept them (:mod:`trainables.kept_groups`; a world of one has a single
-    layout, every size 1), else made now, and kept for the next burst in a world of one. Returns
-    what was done, for the build's part."""
+    """megatron-core's parallel groups for the burst: those the last burst of this process made,
+    where it kept them for the same layout (:mod:`trainables.kept_groups`: its world was kept, so
+    every rank of it ran that burst too), else made now and kept for the next burst. Returns what
+    was done, for the build's part."""
     from megatron.core import parallel_state
 
-    one_rank = dist.get_world_size() == 1
-    if one_rank and kept_groups.kept() and parallel_state.model_parallel_is_initialized():
+    layout = (config.tensor_model_parallel_size, config.pipeline_model_parallel_size,
+              config.virtual_pipeline_model_parallel_size, config.context_parallel_size,
+              config.expert_model_parallel_size, config.expert_tensor_parallel_size)
+    if kept_groups.kept_for(layout) and parallel_state.model_parallel_is_initialized():
         return "parallel groups, kept from the last burst"
-    if parallel_state.model_parallel_is_initialized():  # its groups went with an earlier world
+    if parallel_state.model_parallel_is_initialized():  # another layout's, or its groups went with an earlier world
         parallel_state.destroy_model_parallel()
+    for group in kept_groups.kept() & set(dist.distributed_c10d._world.pg_map):  # another layout's
+        dist.destroy_process_group(group)
+    kept_groups.forget()
     made_before = set(dist.distributed_c10d._world.pg_map)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=config.tensor_model_parallel_size,
@@ -355,8 +360,7 @@ def parallel_groups(config: Config) -> str:
         expert_model_parallel_size=config.expert_model_parallel_size,
         expert_tensor_parallel_size=config.expert_tensor_parallel_size,
     )
-    if one_rank:
-        kept_groups.keep(set(dist.distributed_c10d._world.pg_map) - made_before)
+    kept_groups.keep(set(dist.distributed_c10d._world.pg_map) - made_before, layout)
     return "parallel groups"
 
 
