@@ -301,12 +301,11 @@ def test_kept_ranks_of_several_run_in_the_world_they_made_until_one_of_them_is_r
     assert run() == [(world, 3.0, pid, True) for pid in pids]
     assert run(healthy=(True, False)) == [(world, 3.0, pid, True) for pid in pids]  # rank 1 exits after
     _wait_until_gone(pids[1])
-    replaced = run()
-    assert [(w, total, pid, kept) for w, total, pid, kept in replaced][0][2:] == (pids[0], True)
-    assert replaced[1][2:][1] is False and replaced[0][0] == replaced[1][0] != world
-    assert [total for _, total, _, _ in replaced] == [3.0, 3.0]
-    alone = run(world_size=1)
-    assert alone[0][1:] == (1.0, pids[0], True) and alone[0][0] != replaced[0][0]
+    (world_0, total_0, pid_0, kept_0), (world_1, total_1, _, kept_1) = run()
+    assert (pid_0, kept_0, kept_1) == (pids[0], True, False)
+    assert world_0 == world_1 != world and total_0 == total_1 == 3.0
+    [(alone, total, pid, kept)] = run(world_size=1)
+    assert (total, pid, kept) == (1.0, pids[0], True) and alone != world_0
 
 
 def _children_of_zygote(address: str) -> set[int]:
