@@ -70,9 +70,16 @@ def test_a_burst_in_ranks_kept_from_another_config_matches_a_burst_from_a_new_zy
     # Same seed, same data, same arithmetic: the same loss at every step, bit for bit.
     assert [r.loss for r in after_other.records] == [r.loss for r in from_new.records]
     # And the same speed: each mean within the other's steady interval, widened for this busy box.
-    rates = [steady_state([r.tokens_per_second for r in result.records], min_warmup=2)
-             for result in (after_other, from_new)]
-    assert all(rate is not None for rate in rates)
+    # Each way runs twice, alternating, and its faster burst counts: the test file that bin/test runs
+    # beside this one slows whichever burst it meets (a CI run, 2026-12-07: a kept burst at 1,502
+    # useful tokens/s against 1,032 for new processes, where alone on the box they ran at
+    # 1,512-1,672 and 1,263-1,521).
+    again_kept = run_local(config, reporter=lambda report: True, warm_ranks=warm)
+    again_new = run_local(config, reporter=lambda report: True, warm_ranks=new_zygote(tmp_path, "fresh_again.sock"))
+    assert (again_kept.contract.rank_start, again_new.contract.rank_start) == ("kept", "warm")
+    rates = [max((steady_state([r.tokens_per_second for r in result.records], min_warmup=2) for result in pair),
+                 key=lambda rate: rate.mean)
+             for pair in ((after_other, again_kept), (from_new, again_new))]
     assert rates[0].mean == pytest.approx(rates[1].mean, rel=max(0.3, 3 * rates[1].relative_half_width))
 
 
