@@ -334,6 +334,13 @@ def build_run(request: BurstRequest, device: torch.device, build: BuildClock) ->
     return run
 
 
+PARALLEL_GROUP_SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                        "virtual_pipeline_model_parallel_size", "context_parallel_size",
+                        "expert_model_parallel_size", "expert_tensor_parallel_size")
+"""The knobs megatron-core's parallel groups are made from (``initialize_model_parallel``'s
+arguments of the same names): the layout kept groups serve."""
+
+
 def parallel_groups(config: Config) -> str:
     """megatron-core's parallel groups for the burst: those the last burst of this process made,
     where it kept them for the same layout (:mod:`trainables.kept_groups`: its world was kept, so
@@ -341,9 +348,8 @@ def parallel_groups(config: Config) -> str:
     was done, for the build's part."""
     from megatron.core import parallel_state
 
-    layout = (config.tensor_model_parallel_size, config.pipeline_model_parallel_size,
-              config.virtual_pipeline_model_parallel_size, config.context_parallel_size,
-              config.expert_model_parallel_size, config.expert_tensor_parallel_size)
+    sizes = {name: getattr(config, name) for name in PARALLEL_GROUP_SIZES}
+    layout = tuple(sizes.values())
     if kept_groups.kept_for(layout) and parallel_state.model_parallel_is_initialized():
         return "parallel groups, kept from the last burst"
     if parallel_state.model_parallel_is_initialized():  # another layout's, or its groups went with an earlier world
@@ -352,14 +358,7 @@ def parallel_groups(config: Config) -> str:
         dist.destroy_process_group(group)
     kept_groups.forget()
     made_before = set(dist.distributed_c10d._world.pg_map)
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=config.tensor_model_parallel_size,
-        pipeline_model_parallel_size=config.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=config.virtual_pipeline_model_parallel_size,
-        context_parallel_size=config.context_parallel_size,
-        expert_model_parallel_size=config.expert_model_parallel_size,
-        expert_tensor_parallel_size=config.expert_tensor_parallel_size,
-    )
+    parallel_state.initialize_model_parallel(**sizes)
     kept_groups.keep(set(dist.distributed_c10d._world.pg_map) - made_before, layout)
     return "parallel groups"
 
