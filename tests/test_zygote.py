@@ -397,6 +397,33 @@ print("kept")
     assert done.returncode == 0 and done.stdout.strip() == "kept", done.stderr
 
 
+def test_a_burst_in_a_kept_process_compiles_what_a_new_process_would() -> None:
+    """torch.compile stops compiling a function past its limit of variants per process and runs it
+    uncompiled; megatron-core's fusions reached it in kept ranks after some two dozen configs. A
+    kept rank forgets what it compiled once its burst is done, so the next burst compiles the
+    variants it needs, and only those, as a new process would."""
+    script = """
+import torch
+from torch._dynamo import config
+from trainables.launch import _clean_after_burst
+config.recompile_limit = 2  # a new process's limit, small to keep this short
+compiled = []
+def counting_backend(graph, example_inputs):
+    compiled.append(tuple(example_inputs[0].shape))
+    return graph.forward
+fused = torch.compile(lambda x: x * 2 + 1, backend=counting_backend, dynamic=False)
+for burst, lengths in enumerate(((1, 2), (3, 4), (1, 3)), start=1):
+    for length in lengths:
+        assert fused(torch.ones(length)).tolist() == [3.0] * length
+    assert fused(torch.ones(lengths[0])).tolist() == [3.0] * lengths[0]  # compiled this burst: cached
+    assert len(compiled) == 2 * burst, compiled
+    assert _clean_after_burst(0, torch.device("cpu"))  # the kept rank's check between bursts
+print(compiled)
+"""
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "[(1,), (2,), (3,), (4,), (1,), (3,)]", done.stderr
+
+
 def test_a_rank_that_never_joins_is_named_once_the_rendezvous_times_out(tmp_path: Path, monkeypatch) -> None:
     """Rank 0 serves the burst's store on a port it binds itself and names the peers that did not
     come; a peer whose rank 0 never served says so. Both within the rendezvous timeout, not the

@@ -347,9 +347,11 @@ def _end_process_groups(keep_world: bool) -> str:
 
 def _clean_after_burst(rank: int, device: torch.device) -> bool:
     """Whether the process is clean after its burst: on CUDA, the device memory allocated back
-    where it was before its first burst."""
+    where it was before its first burst. First it forgets what torch.compile compiled, so that the
+    next burst compiles what a new process would (:func:`_forget_compiled_code`)."""
     import gc
 
+    _forget_compiled_code()
     allocated = allocated_after_burst(device)
     left = None if allocated is None else allocated - (_allocated_at_first_start or 0)
     if left is not None and left > KEPT_ALLOCATED_SLACK_BYTES:
@@ -360,6 +362,24 @@ def _clean_after_burst(rank: int, device: torch.device) -> bool:
     # Only a clean process's: frozen, a leak could not be collected even once its holder let go.
     gc.freeze()
     return True
+
+
+def _forget_compiled_code() -> None:
+    """Drop torch.compile's compiled variants and their guards, as a new process has none; what it
+    compiled stays in its caches on disk and in memory, so that compiling again is quicker.
+
+    Why: torch.compile compiles at most 8 variants of a function per process (``recompile_limit``)
+    and runs it uncompiled for inputs past them, and megatron-core compiles its fusions
+    (``jit_fuser`` is ``torch.compile``) once per input shape and stride. In the kept ranks of an
+    H100 table's kept pass (2026-12-07), ``bias_dropout_add_fused_train`` reached the limit once some
+    two dozen configs had run in one process, and from there kept bursts ran it uncompiled where a
+    new process compiles it; where a function reaches the limit within one burst
+    (``weighted_swiglu``, 2026-12-06), a kept process that raised the limit instead would have
+    compiled more variants than a new one. Either way a kept burst's steps would not be a new
+    process's, and a user's run is one."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
 
 
 def allocated_after_burst(device: torch.device) -> int | None:

@@ -21,10 +21,12 @@ ended before the new one is forked: two ranks never share a GPU's memory.
 
 A request may ask for a *kept* rank (``ForkRequest.keep_as``): once its run ends healthy, the child
 does not exit but waits for the next request with the same key on the same GPUs, and runs it in the
-same process, with its CUDA context, compiled kernels, allocator and caches warm. Why: on an H100
-with TE a new rank's first step took 13-20 s more than its steady steps, and the same config's first
-step run again in the process that had run another one took 0.4 s more (eager; torch.compile's
-fusions add about 19 s more to a new process's first step: ``bench/results/h100_startup_20261205/``).
+same process, with its CUDA context, loaded kernels, allocator and caches warm (torch.compile's
+variants are compiled again, from its caches: :func:`trainables.launch._forget_compiled_code`).
+Why: on an H100 with TE a new rank's first step took 13-20 s more than its steady steps, and the
+same config's first step run again in the process that had run another one took 0.4 s more (eager;
+torch.compile's fusions add about 19 s more to a new process's first step:
+``bench/results/h100_startup_20261205/``).
 The target returns the check that says whether its process may be kept (see
 :func:`trainables.launch._rank_main`), or ``None``: the child tells the zygote its run is done (its
 requester is released at once), runs the check (a full garbage collection, the device memory's),
