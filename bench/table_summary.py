@@ -42,6 +42,11 @@ class RowSummary:
     """Cold, warm and kept start-up, as recorded (``None``: not measured)."""
     error: str | None
     """The first line of why it did not run."""
+    recorded_at: str | None
+    machine: str | None
+    """The device's id and the host's CPU where the row records them (since 2026-12-07): rows of one
+    table recorded on several machines of a kind are not alike (a host-bound config ran 42 % faster
+    on one H100 machine than on another)."""
 
 
 def shared_values(configs: list[Config]) -> dict[str, object]:
@@ -64,7 +69,16 @@ def summarise(config: Config, row: RecordedBurst, shared: dict[str, object]) -> 
         peak_memory_gib=row.peak_memory_gib,
         startup_seconds={"cold": row.startup_seconds, "warm": row.warm_startup_seconds, "kept": row.kept_startup_seconds},
         error=row.error.strip().splitlines()[0] if row.error else None,
+        recorded_at=row.contract.get("recorded_at"),
+        machine=machine(row.contract.get("stack") or {}),
     )
+
+
+def machine(stack: dict) -> str | None:
+    if stack.get("host_cpu") is None:
+        return None
+    return f"{stack['device_name']} {stack['device_uuid']} on {stack['host_cpu']}" if stack.get("device_uuid") \
+        else stack["host_cpu"]
 
 
 def summaries(table: RecordedTable) -> tuple[str, list[RowSummary]]:
@@ -110,7 +124,11 @@ def main() -> None:
     args = parser.parse_args()
     table = load_table(args.table)
     alike, rows = summaries(table)
-    show(rows, alike, Console())
+    console = Console()
+    show(rows, alike, console)
+    machines = sorted({row.machine for row in rows if row.machine is not None})
+    if len(machines) > 1:
+        console.print(f"recorded on {len(machines)} machines: rows of different ones are not alike")
     if args.out is None:
         return
     first = next(iter(table.rows.values()))
@@ -133,6 +151,8 @@ def main() -> None:
         "rows": len(rows),
         "every_row": alike,
         "outcomes": {outcome: sum(row.outcome == outcome for row in rows) for outcome in outcomes},
+        "machines": machines,
+        "rows_without_machine": sum(row.machine is None for row in rows),
         "summaries": [vars(row) for row in rows],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -5,6 +5,7 @@ Training itself needs CUDA: the ``gpu`` test runs only where there is one."""
 from __future__ import annotations
 
 import gc
+import os
 import warnings
 import weakref
 from pathlib import Path
@@ -520,6 +521,11 @@ def test_probe_reports_this_machine() -> None:
 
     assert facts["megatron_core"] == installed
     assert facts["accelerator"] == ("cpu" if not torch.cuda.is_available() else accelerator_label(facts["device_name"]))
+    # Which machine: every lent one is called "vm", so the host's CPU and the device's own id say it.
+    cpu_model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name"))
+    assert facts["host_cpu"] == f"{cpu_model}, {len(os.sched_getaffinity(0))} cores"
+    assert (facts["device_uuid"] is None) == (not torch.cuda.is_available())
     assert accelerator_label("NVIDIA H200") == "h200" and accelerator_label("NVIDIA GB200") == "gb200"
 
 

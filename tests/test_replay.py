@@ -225,8 +225,13 @@ def test_a_table_summary_ranks_what_ran_per_device_and_says_once_what_every_row_
     import subprocess
     import sys
 
-    path = table(tmp_path, row(steps=[2.0] * 10, micro_batch_size=2, freeze_vision_model=True),
-                 row("oom", [], micro_batch_size=4, freeze_vision_model=True),
+    def on(device_uuid: str) -> dict:
+        return {"world_size": 2, "stack": {"device_name": "NVIDIA H100 80GB HBM3", "device_uuid": device_uuid,
+                                           "host_cpu": "Xeon, 16 cores"}}
+
+    path = table(tmp_path, row(steps=[2.0] * 10, micro_batch_size=2, freeze_vision_model=True).model_copy(
+                     update={"contract": on("GPU-1")}),
+                 row("oom", [], micro_batch_size=4, freeze_vision_model=True).model_copy(update={"contract": on("GPU-2")}),
                  row(micro_batch_size=1, freeze_vision_model=True))
     out = tmp_path / "summary.json"
     subprocess.run([sys.executable, "bench/table_summary.py", "--table", str(path), "--out", str(out)],
@@ -240,3 +245,7 @@ def test_a_table_summary_ranks_what_ran_per_device_and_says_once_what_every_row_
                                                                       min_warmup=1).mean / 2)
     assert rows[1]["tokens_per_second"] == pytest.approx(250.0)  # 1,000 tokens in 2 s, on 2 devices
     assert rows[2]["tokens_per_second"] is None and rows[2]["error"] == "OutOfMemoryError: out of memory"
+    # Which machine each row ran on, where it says (a row recorded before 2026-12-07 does not).
+    assert [r["machine"] for r in rows] == [None, "NVIDIA H100 80GB HBM3 GPU-1 on Xeon, 16 cores",
+                                            "NVIDIA H100 80GB HBM3 GPU-2 on Xeon, 16 cores"]
+    assert len(summary["machines"]) == 2 and summary["rows_without_machine"] == 1
