@@ -12,6 +12,12 @@ of them in a row mean the harness or the machine is broken, not the configs, so 
 without writing them (a later call runs them again). ``--limit`` records at most that many new rows per call (to fit a
 device session); ``--order config|shuffled`` picks which first.
 
+A table recorded over several device sessions is recorded on several machines, which differ (one
+config ran 42 % faster on one H100 machine than on another). A call that adds rows to a table that
+has some first runs the table's anchor again, the first of its rows that ran ok, and keeps that burst
+beside the table (``autotune.core.tables.anchors_path``; ``--no-anchor`` skips it):
+``bench/table_summary.py`` shows how fast the anchor ran on each machine.
+
 Start-up is recorded both ways (``autotune/core/tables.py``): each burst's ranks fork anew from a
 zygote the recording keeps running, as a campaign's trials' do where no rank is kept for them
 (``warm_startup_seconds``; a rank kept from the row before would make a row depend on it), and a one-step
@@ -52,7 +58,7 @@ from autotune.campaign import Campaign, load_campaign
 from autotune.core.contract import BurstRequest, BurstResult
 from autotune.core.knobs import Config
 from autotune.core.registry import burst_runner, start_rank_zygote, trainable_support
-from autotune.core.tables import RecordedBurst, append_row, load_table
+from autotune.core.tables import RecordedBurst, anchors_path, append_row, load_table
 from trainables.probe import probe
 
 GIB = 2**30
@@ -171,6 +177,45 @@ def add_startup(campaign: Campaign, table: Path, kept: bool) -> None:
             progress.advance(task)
 
 
+def record_burst(campaign: Campaign, campaign_path: Path, config: Config, steps: int, warm: str, folder: Path,
+                 stack: dict) -> RecordedBurst:
+    """A row: a burst of ``config`` in ranks forked anew from the zygote at ``warm``, then its cold
+    start-up, with the contract it ran under and the machine it ran on."""
+    request = campaign.burst_request(config, steps)
+    load_before = os.getloadavg()[0]
+    result, warm_startup = timed_burst(campaign.spec.trainable, request, warm)
+    startup = cold_startup(campaign, request, folder)
+    step_seconds = [record.step_seconds for record in result.records]
+    return RecordedBurst(
+        config=config.to_plain(),
+        outcome=result.outcome,  # never `pruned`: nothing stops a recorded burst
+        step_seconds=step_seconds,
+        useful_tokens_per_step=round(sum(r.useful_tokens for r in result.records) / len(step_seconds)) if step_seconds else 0,
+        peak_memory_gib=max(r.peak_memory_bytes for r in result.records) / GIB if step_seconds else None,
+        startup_seconds=startup,
+        warm_startup_seconds=warm_startup,
+        error=None if result.error is None else result.error[-2000:],
+        contract=(result.contract.to_json() if result.contract else {}) | {
+            "trainable": campaign.spec.trainable,
+            "world_size": request.world_size,
+            "space": campaign.space.name,
+            "campaign": str(campaign_path),
+            "model_preset": campaign.model.name,
+            "memory_cap_fraction": request.memory_cap_fraction,
+            "cpu_memory_cap_bytes": request.cpu_memory_cap_bytes,
+            "data_realism": request.data.realism,
+            "stack": stack,
+            "recorded_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "load_average_1m_before": load_before,
+        },
+    )
+
+
+def _rate(row: RecordedBurst) -> str:
+    steady = row.steady
+    return f"{steady.mean:,.0f}" if steady is not None else row.outcome
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--campaign", type=Path, required=True)
@@ -183,6 +228,8 @@ def main() -> None:
                         help="record only configs that ran ok in this table (long runs for bench/fidelity.py)")
     parser.add_argument("--order", choices=("config", "shuffled"), default="shuffled",
                         help="shuffled (seeded) spreads a partial recording over the whole space")
+    parser.add_argument("--no-anchor", dest="anchor", action="store_false",
+                        help="add rows without running the table's anchor again first")
     parser.add_argument("--add-warm-startup", action="store_true",
                         help="record nothing new: measure the warm start-up of the rows of --out that lack it")
     parser.add_argument("--add-kept-startup", action="store_true",
@@ -197,7 +244,8 @@ def main() -> None:
     if args.add_warm_startup or args.add_kept_startup:
         add_startup(campaign, args.out, kept=args.add_kept_startup)
         return
-    recorded = set(load_table(args.out).rows) if args.out.is_file() and args.out.stat().st_size else set()
+    table = load_table(args.out) if args.out.is_file() and args.out.stat().st_size else None
+    recorded = set(table.rows) if table is not None else set()
     todo = [config for config in campaign.space.configs() if config not in recorded]
     if args.ok_in is not None:
         ran_ok = {config for config, row in load_table(args.ok_in).rows.items() if row.outcome == "ok"}
@@ -205,43 +253,24 @@ def main() -> None:
     if args.order == "shuffled":
         random.Random(0).shuffle(todo)
     todo = todo[: args.limit] if args.limit is not None else todo
+    anchor = next((config for config, row in table.rows.items() if row.outcome == "ok"), None) \
+        if args.anchor and table is not None and todo else None
     stack = probe()
     print(f"{campaign.space.name}: {campaign.space.size()} configs, {len(recorded)} recorded, recording {len(todo)}")
     held: list[RecordedBurst] = []
     with tempfile.TemporaryDirectory(prefix="record-") as folder, zygote(Path(folder), "warm", campaign.spec.trainable) as warm, \
             Progress() as progress:
+        if anchor is not None:
+            row = record_burst(campaign, args.campaign, anchor, args.steps, warm, Path(folder), stack)
+            append_row(anchors_path(args.out), row)
+            before = table.rows[anchor]
+            progress.console.print(f"anchor {anchor.describe()}: {_rate(row)} useful tokens/s on this machine, "
+                                   f"{_rate(before)} in its row ({before.contract.get('recorded_at')})", markup=False)
         task = progress.add_task("recording", total=len(todo))
         for config in todo:
-            request = campaign.burst_request(config, args.steps)
-            load_before = os.getloadavg()[0]
-            result, warm_startup = timed_burst(campaign.spec.trainable, request, warm)
-            startup = cold_startup(campaign, request, Path(folder))
-            steps = [record.step_seconds for record in result.records]
-            row = RecordedBurst(
-                config=config.to_plain(),
-                outcome=result.outcome,  # never `pruned`: nothing stops a recorded burst
-                step_seconds=steps,
-                useful_tokens_per_step=round(sum(r.useful_tokens for r in result.records) / len(steps)) if steps else 0,
-                peak_memory_gib=max(r.peak_memory_bytes for r in result.records) / GIB if steps else None,
-                startup_seconds=startup,
-                warm_startup_seconds=warm_startup,
-                error=None if result.error is None else result.error[-2000:],
-                contract=(result.contract.to_json() if result.contract else {}) | {
-                    "trainable": campaign.spec.trainable,
-                    "world_size": request.world_size,
-                    "space": campaign.space.name,
-                    "campaign": str(args.campaign),
-                    "model_preset": campaign.model.name,
-                    "memory_cap_fraction": request.memory_cap_fraction,
-                    "cpu_memory_cap_bytes": request.cpu_memory_cap_bytes,
-                    "data_realism": request.data.realism,
-                    "stack": stack,
-                    "recorded_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                    "load_average_1m_before": load_before,
-                },
-            )
-            progress.console.print(f"{config.describe()}: {row.outcome} {len(steps)} steps, start-up {warm_startup:.1f} s "
-                                   f"warm, {startup:.1f} s cold", markup=False)
+            row = record_burst(campaign, args.campaign, config, args.steps, warm, Path(folder), stack)
+            progress.console.print(f"{config.describe()}: {row.outcome} {len(row.step_seconds)} steps, start-up "
+                                   f"{row.warm_startup_seconds:.1f} s warm, {row.startup_seconds:.1f} s cold", markup=False)
             progress.advance(task)
             if row.outcome == "failed":
                 held.append(row)

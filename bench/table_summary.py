@@ -2,6 +2,8 @@
 tokens/s with its 95 % interval (the estimator the search benchmark ranks configs by), its peak
 memory, its start-ups, and why a row did not run. The README quotes tables from this, so that a
 figure taken from a table, even one still being recorded, comes with a command that gives it again.
+A table recorded over several device sessions ran on several machines: it lists them, and how fast
+the table's anchor ran again on each (``record_table.py`` runs it at the start of each later session).
 
   python bench/table_summary.py --table bench/data/h100_te_grid.jsonl --out bench/results/table_h100_te_grid.json
 """
@@ -19,8 +21,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from autotune.core.knobs import KNOBS, Config
-from autotune.core.tables import RecordedBurst, RecordedTable, load_table
+from autotune.core.knobs import KNOBS, Config, complete_config
+from autotune.core.tables import RecordedBurst, RecordedTable, load_anchors, load_table
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,38 @@ def machine(stack: dict) -> str | None:
         else stack["host_cpu"]
 
 
+@dataclass(frozen=True)
+class AnchorSummary:
+    """A burst of the table's anchor run again at the start of a later recording session
+    (``autotune.core.tables.anchors_path``)."""
+    config: str
+    recorded_at: str | None
+    machine: str | None
+    outcome: str
+    tokens_per_second: float | None
+    over_its_row: float | None
+    """Its steady useful tokens/s over its row's: how far this session's machine ran from the one
+    the row was recorded on (``None`` where either did not run ok)."""
+
+
+def anchor_summaries(table: RecordedTable) -> list[AnchorSummary]:
+    summaries = []
+    for anchor in load_anchors(table.path):
+        config = complete_config(anchor.config)
+        row = table.rows.get(config)
+        rate = anchor.steady.mean / anchor.world_size if anchor.steady else None
+        row_rate = row.steady.mean / row.world_size if row is not None and row.steady else None
+        summaries.append(AnchorSummary(
+            config=config.describe(), recorded_at=anchor.contract.get("recorded_at"),
+            machine=machine(anchor.contract.get("stack") or {}), outcome=anchor.outcome, tokens_per_second=rate,
+            over_its_row=rate / row_rate if rate is not None and row_rate is not None else None))
+    return summaries
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}×"
+
+
 def summaries(table: RecordedTable) -> tuple[str, list[RowSummary]]:
     """The knobs every row sets alike (those off Megatron's defaults), and the rows: those that ran,
     fastest first, then the others by outcome."""
@@ -129,6 +163,10 @@ def main() -> None:
     machines = sorted({row.machine for row in rows if row.machine is not None})
     if len(machines) > 1:
         console.print(f"recorded on {len(machines)} machines: rows of different ones are not alike")
+    anchors = anchor_summaries(table)
+    for anchor in anchors:
+        console.print(f"anchor {anchor.config} run again {anchor.recorded_at} on {anchor.machine or 'a machine not recorded'}: "
+                      f"{anchor.outcome}, {_ratio(anchor.over_its_row)} its row's useful tokens/s", markup=False)
     if args.out is None:
         return
     first = next(iter(table.rows.values()))
@@ -154,6 +192,7 @@ def main() -> None:
         "machines": machines,
         "rows_without_machine": sum(row.machine is None for row in rows),
         "summaries": [vars(row) for row in rows],
+        "anchors": [vars(anchor) for anchor in anchors],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")

@@ -15,7 +15,7 @@ from autotune.core.contract import BurstRequest, BurstResult, Contract, DataSpec
 from autotune.core.knobs import complete_config
 from autotune.core.model import model_preset
 from autotune.core.steady import steady_state
-from autotune.core.tables import RecordedBurst, TableError, append_row, load_table
+from autotune.core.tables import RecordedBurst, TableError, anchors_path, append_row, load_table
 from autotune.engine.ledger import Ledger
 from autotune.engine.records import Launch, spend
 from autotune.engine.rundir import create_run_dir
@@ -233,6 +233,9 @@ def test_a_table_summary_ranks_what_ran_per_device_and_says_once_what_every_row_
                      update={"contract": on("GPU-1")}),
                  row("oom", [], micro_batch_size=4, freeze_vision_model=True).model_copy(update={"contract": on("GPU-2")}),
                  row(micro_batch_size=1, freeze_vision_model=True))
+    # The anchor (the first row that ran ok) run again on a third machine, at half its row's speed.
+    append_row(anchors_path(path), row(steps=[4.0] * 10, micro_batch_size=2, freeze_vision_model=True).model_copy(
+        update={"contract": on("GPU-3")}))
     out = tmp_path / "summary.json"
     subprocess.run([sys.executable, "bench/table_summary.py", "--table", str(path), "--out", str(out)],
                    check=True, capture_output=True, cwd=Path(__file__).resolve().parent.parent)
@@ -249,3 +252,6 @@ def test_a_table_summary_ranks_what_ran_per_device_and_says_once_what_every_row_
     assert [r["machine"] for r in rows] == [None, "NVIDIA H100 80GB HBM3 GPU-1 on Xeon, 16 cores",
                                             "NVIDIA H100 80GB HBM3 GPU-2 on Xeon, 16 cores"]
     assert len(summary["machines"]) == 2 and summary["rows_without_machine"] == 1
+    [anchor] = summary["anchors"]
+    assert anchor["config"] == rows[1]["config"] and anchor["machine"].startswith("NVIDIA H100 80GB HBM3 GPU-3")
+    assert anchor["over_its_row"] == pytest.approx(0.5)

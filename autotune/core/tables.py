@@ -150,6 +150,35 @@ def load_table(path: Path) -> RecordedTable:
     if not path.is_file():
         raise TableError(f"{path}: no such table file")
     rows: dict[Config, RecordedBurst] = {}
+    for where, config, row in _validated_rows(path):
+        if config in rows:
+            raise TableError(f"{where}: {config.describe()} is recorded twice")
+        rows[config] = row
+    if not rows:
+        raise TableError(f"{path}: the table is empty")
+    return RecordedTable(path=path, rows=rows)
+
+
+def anchors_path(table: Path) -> Path:
+    """Where the anchor bursts of ``table`` are kept (``x.jsonl`` → ``x.anchors.jsonl``).
+
+    A table recorded over several device sessions is recorded on several machines of one kind, and
+    they differ: one config ran 42 % faster over 120 steps on one H100 machine than in its 16-step
+    row on another (2026-12-07). So each session that adds rows first runs the table's anchor
+    again, the first of its rows that ran ok (``bench/record_table.py``), and keeps the burst here,
+    beside the rows it came before: how fast the anchor ran on each machine says how far rows of
+    different sessions may be compared."""
+    return table.with_suffix(".anchors.jsonl")
+
+
+def load_anchors(table: Path) -> list[RecordedBurst]:
+    """The anchor bursts recorded beside ``table``, oldest first; none where there is no such file."""
+    path = anchors_path(table)
+    return [row for _, _, row in _validated_rows(path)] if path.is_file() else []
+
+
+def _validated_rows(path: Path) -> Iterator[tuple[str, Config, RecordedBurst]]:
+    """Each line of a table file as a validated burst, with where it is and its complete config."""
     for number, line in enumerate(path.read_text().splitlines(), start=1):
         if not line.strip():
             continue
@@ -166,14 +195,9 @@ def load_table(path: Path) -> RecordedTable:
             config = complete_config(row.config)
         except KnobError as exc:
             raise TableError(f"{where}: config.{exc.knob}: {exc.message}") from None
-        if config in rows:
-            raise TableError(f"{where}: {config.describe()} is recorded twice")
         if "world_size" not in row.contract:
             raise TableError(f"{where}: contract.world_size: missing (the devices one burst ran on)")
-        rows[config] = row
-    if not rows:
-        raise TableError(f"{path}: the table is empty")
-    return RecordedTable(path=path, rows=rows)
+        yield where, config, row
 
 
 def append_row(path: Path, row: RecordedBurst) -> None:
