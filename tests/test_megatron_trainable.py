@@ -307,7 +307,7 @@ def test_the_end_of_a_step_evidence_and_contract_on_one_rank(model_parallel, pho
     assert evidence.layer_spec == "local" and evidence.tp_group_size == 1 and evidence.cuda_graph_units == 0
     assert contract["trainable"] == "megatron" and contract["layer_spec"] == "local"
     assert contract["kernels"] == decoder_kernel_fields(False) and not any(contract["kernels"].values())
-    assert set(contract["versions"]) == {"python", "torch", "cuda", "megatron_core", "transformer_engine"}
+    assert set(contract["versions"]) == {"python", "torch", "autotune", "cuda", "megatron_core", "transformer_engine"}
     assert set(contract["hardware"]) == {"device", "accelerator", "world_size"}
     assert contract["shapes"]["num_microbatches"] == 2 and contract["shapes"]["global_batch_size"] == 2
     assert set(contract["shapes"]) == {"micro_batch_size", "seq_length", "num_microbatches", "data_parallel",

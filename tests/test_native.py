@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 import time
@@ -24,6 +25,7 @@ from trainables.data.loader import ImageSettings, PackedVLMDataset
 from trainables.flops import CONVENTION
 from trainables import zygote
 from trainables.launch import WORLD_KEPT, run_local
+from trainables.measurement import code_version
 from trainables.native.burst import native_contract, run_rank
 from trainables.native.cuda_graphs import apply_cuda_graphs
 from trainables.native.model import MoEVLM
@@ -422,14 +424,15 @@ def test_finish_step_reduces_over_ranks_and_stops_them_together(tmp_path: Path) 
 NATIVE_CONTRACT_KEYS = {
     "": {"trainable", "versions", "hardware", "model", "data", "precision", "shapes", "timing", "flops_convention",
          "config"},
-    "versions": {"python", "torch"},
+    "versions": {"python", "torch", "autotune"},
     "hardware": {"device", "accelerator", "world_size", "cpu_threads_per_rank"},
     "data": {"folder", "realism", "tokenizer"},
     "shapes": {"micro_batch_size", "seq_length", "data_parallel", "global_batch_size", "expert_parallel",
                "num_microbatches"},
 }
-"""The keys of the native contract's JSON as the trainable wrote them before contracts were typed, and
-the micro-batches per step since the workload fixes a global batch."""
+"""The keys of the native contract's JSON as the trainable wrote them before contracts were typed, the
+micro-batches per step since the workload fixes a global batch, and our code's version since
+2026-12-07."""
 
 
 def test_native_contract_json_has_exactly_the_keys_it_always_had(tmp_path: Path) -> None:
@@ -444,6 +447,23 @@ def test_native_contract_json_has_exactly_the_keys_it_always_had(tmp_path: Path)
     assert written["flops_convention"] == CONVENTION and written["config"] == burst.config.to_plain()
     assert written["model"] == json.loads(SPEC.model_dump_json())
     assert Contract.model_validate(written).to_json() == written  # reads back exactly as written
+    assert written["versions"]["autotune"] == code_version()
+
+
+def test_the_code_version_changes_with_any_source_of_the_tuner_or_the_trainables(tmp_path: Path) -> None:
+    """A table's rows come from device sessions whose code changed in between, run from a copy of the
+    tree without its history: the contract's code version is a hash of the sources themselves."""
+    for folder in ("autotune", "trainables"):
+        (tmp_path / folder / "sub").mkdir(parents=True)
+        (tmp_path / folder / "sub" / "code.py").write_text("x = 1\n")
+    (tmp_path / "pyproject.toml").write_text('[project]\nversion = "0.1.0"\n')
+    before = code_version.__wrapped__(tmp_path)
+    assert re.fullmatch(r"0\.1\.0\+src\.[0-9a-f]{12}", before)
+    (tmp_path / "README.md").write_text("not code")
+    (tmp_path / "trainables" / "sub" / "code.cpython-311.pyc").write_bytes(b"compiled")
+    assert code_version.__wrapped__(tmp_path) == before
+    (tmp_path / "trainables" / "sub" / "code.py").write_text("x = 2\n")
+    assert code_version.__wrapped__(tmp_path) != before
 
 
 def test_counted_device_memory_counts_parameters_their_training_state_and_saved_activations() -> None:

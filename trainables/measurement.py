@@ -9,7 +9,11 @@ than ``null``: a native contract has no layer spec, a megatron one no CPU thread
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import platform
+import tomllib
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
@@ -49,7 +53,7 @@ def measurement_contract(
     """
     return Contract(
         trainable=trainable,
-        versions={"python": platform.python_version(), "torch": torch.__version__, **versions},
+        versions={"python": platform.python_version(), "torch": torch.__version__, "autotune": code_version(), **versions},
         hardware=Hardware(device=_device_name(device), accelerator="cuda" if device.type == "cuda" else "cpu",
                           world_size=world_size, **_given(cpu_threads_per_rank=cpu_threads_per_rank,
                                                           counted_memory_bytes=counted_memory_bytes)),
@@ -62,6 +66,24 @@ def measurement_contract(
         config=request.config,
         **_given(layer_spec=layer_spec, kernels=dict(kernels) if kernels is not None else None),
     )
+
+
+CHECKOUT = Path(__file__).resolve().parent.parent
+CODE_FOLDERS = ("autotune", "trainables")
+
+
+@functools.cache
+def code_version(checkout: Path = CHECKOUT) -> str:
+    """The tuner's version and a hash of its Python sources and the trainables'
+    (``0.1.0+src.3f9a1c2e4b5d``): a table is recorded over device sessions whose code changed in
+    between, on machines that get a copy of the tree without its git history, so the contract says
+    which code measured each row. The same sources give the same hash wherever they are."""
+    digest = hashlib.sha256()
+    for path in sorted(file for folder in CODE_FOLDERS for file in (checkout / folder).rglob("*.py")):
+        digest.update(path.relative_to(checkout).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    # From the checkout, not the installed metadata: the GPU machine runs the tree off its path, uninstalled.
+    version = tomllib.loads((checkout / "pyproject.toml").read_text())["project"]["version"]
+    return f"{version}+src.{digest.hexdigest()[:12]}"
 
 
 def _device_name(device: torch.device) -> str:
