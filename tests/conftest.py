@@ -113,9 +113,12 @@ NEXT_SPACE = SPACE | {
 }
 """A second space for the workflow: its declared reach guarantees the projected headroom is large,
 and its one config is the first space's fastest. Screening would prune it if noise put it clearly
-below that best (the same config has screened 15 % apart within one campaign on this 2-core box),
-so the campaign that runs both spaces prunes only beyond 40 %, which also keeps the "fast-ep2"
-warm start (about 0.8x the fastest) among the configs promoted."""
+below that best, so the campaign that runs both spaces prunes only beyond 70 %, which also keeps the
+"fast-ep2" warm start (about 0.8x the fastest) among the configs promoted. The noise is the other
+test file running beside this one (``bin/test``: two at a time on two cores): that config screened
+15 % apart within one campaign, and at 938 and 2,526 useful tokens/s in two campaigns, the first
+beside another test file (2026-12-07). At 40 % a CI run (the same day) missed the next space's
+promotion, as a screen of it pruned would."""
 
 
 def campaign_file(folder: Path, *, max_trials: int, top_k: int = 1, space: dict = SPACE, then_space: dict | None = None,
@@ -201,7 +204,7 @@ def campaign_run(tmp_path_factory, cache_env) -> tuple[Path, subprocess.Complete
     """One real campaign (native trainable, two gloo ranks a trial, both spaces of the workflow),
     shared by the engine's and the report's tests."""
     folder = tmp_path_factory.mktemp("campaign")
-    result = autotune("run", str(campaign_file(folder, max_trials=4, top_k=2, then_space=NEXT_SPACE, prune_margin=0.4)), env=cache_env,
+    result = autotune("run", str(campaign_file(folder, max_trials=4, top_k=2, then_space=NEXT_SPACE, prune_margin=0.7)), env=cache_env,
                       timeout=900)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     return only_run_dir(folder), result
