@@ -102,13 +102,19 @@ def anchor_summaries(table: RecordedTable) -> list[AnchorSummary]:
     for anchor in load_anchors(table.path):
         config = complete_config(anchor.config)
         row = table.rows.get(config)
-        rate = anchor.steady.mean / anchor.world_size if anchor.steady else None
-        row_rate = row.steady.mean / row.world_size if row is not None and row.steady else None
+        rate = _steady_per_device(anchor)
+        row_rate = _steady_per_device(row) if row is not None else None
         summaries.append(AnchorSummary(
             config=config.describe(), recorded_at=anchor.contract.get("recorded_at"),
             machine=machine(anchor.contract.get("stack") or {}), outcome=anchor.outcome, tokens_per_second=rate,
             over_its_row=rate / row_rate if rate is not None and row_rate is not None else None))
     return summaries
+
+
+def _steady_per_device(row: RecordedBurst) -> float | None:
+    """The row's steady useful tokens/s per device, as the rows' summaries give it."""
+    estimate = row.steady
+    return estimate.mean / row.world_size if estimate is not None else None
 
 
 def _ratio(value: float | None) -> str:
