@@ -10,7 +10,9 @@ trainable did with it (a baseline without our rules pays for it). It resumes: co
 most the burst in flight. Failed bursts are held back while they come in a row: ``--stop-after-failures``
 of them in a row mean the harness or the machine is broken, not the configs, so the recording stops
 without writing them (a later call runs them again). ``--limit`` records at most that many new rows per call (to fit a
-device session); ``--order config|shuffled`` picks which first.
+device session); ``--order config|shuffled|best`` picks which first (``best``, with ``--ok-in``: the configs
+that ran fastest there first, so that the long runs a session has time for are those of the configs
+the search has to order right).
 
 A table recorded over several device sessions is recorded on several machines, which differ (one
 config ran 42 % faster on one H100 machine than on another). A call that adds rows to a table that
@@ -27,7 +29,8 @@ only) their warm start-up from a one-step burst each.
 
 What a burst in kept ranks pays is recorded too (``kept_startup_seconds``, ``kept_first_step_seconds``),
 in a pass over the rows that ran ok, out of memory or invalid, once the recording's bursts are done
-(``--add-kept-startup`` runs only that pass on an existing table): a short burst of each row's config
+(not after long runs, ``--ok-in``, read for their steady rate only; ``--add-kept-startup`` runs only
+that pass on an existing table): a short burst of each row's config
 runs in the rank processes the row before's short burst kept, as a campaign's screen after a healthy
 one runs. Not between the rows' own bursts: those start new rank processes and keep none. Where the
 row before left none (the first row, one that ran out of memory), a config that ran ok runs first to
@@ -226,8 +229,9 @@ def main() -> None:
                         help="stop after this many failed bursts in a row, writing none of them")
     parser.add_argument("--ok-in", type=Path, default=None,
                         help="record only configs that ran ok in this table (long runs for bench/fidelity.py)")
-    parser.add_argument("--order", choices=("config", "shuffled"), default="shuffled",
-                        help="shuffled (seeded) spreads a partial recording over the whole space")
+    parser.add_argument("--order", choices=("config", "shuffled", "best"), default="shuffled",
+                        help="shuffled (seeded) spreads a partial recording over the whole space; best (with "
+                             "--ok-in) records the configs that ran fastest there first")
     parser.add_argument("--no-anchor", dest="anchor", action="store_false",
                         help="add rows without running the table's anchor again first")
     parser.add_argument("--add-warm-startup", action="store_true",
@@ -247,9 +251,14 @@ def main() -> None:
     table = load_table(args.out) if args.out.is_file() and args.out.stat().st_size else None
     recorded = set(table.rows) if table is not None else set()
     todo = [config for config in campaign.space.configs() if config not in recorded]
+    if args.order == "best" and args.ok_in is None:
+        raise SystemExit("--order best ranks configs by their rows in --ok-in: give --ok-in")
     if args.ok_in is not None:
-        ran_ok = {config for config, row in load_table(args.ok_in).rows.items() if row.outcome == "ok"}
+        ran_ok = {config: row.steady.mean for config, row in load_table(args.ok_in).rows.items()
+                  if row.steady is not None}
         todo = [config for config in todo if config in ran_ok]
+        if args.order == "best":
+            todo.sort(key=ran_ok.__getitem__, reverse=True)
     if args.order == "shuffled":
         random.Random(0).shuffle(todo)
     todo = todo[: args.limit] if args.limit is not None else todo
@@ -284,7 +293,7 @@ def main() -> None:
             held.clear()
     for finished in held:  # failures that ended the list but not a streak
         append_row(args.out, finished)
-    if keeps_ranks(campaign):
+    if keeps_ranks(campaign) and args.ok_in is None:  # long runs are read for their steady rate, not start-up
         add_startup(campaign, args.out, kept=True)
 
 

@@ -1,5 +1,5 @@
 """``bench/record_table.py`` on the CPU: a table recorded over two calls, as over two device sessions,
-with the table's anchor run again at the start of the second."""
+with the table's anchor run again at the start of the second, then a long run of its fastest config."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def record(campaign: Path, table: Path) -> str:
     return done.stdout
 
 
-def test_a_session_that_adds_rows_first_runs_the_tables_anchor_again_and_keeps_it_beside_the_table(tmp_path: Path) -> None:
+def test_a_session_that_adds_rows_first_runs_the_anchor_again_and_long_runs_take_the_fastest_configs_first(tmp_path: Path) -> None:
     campaign = campaign_file(tmp_path, max_trials=2, space=TWO_CONFIGS)
     table = tmp_path / "table.jsonl"
     record(campaign, table)
@@ -41,3 +41,15 @@ def test_a_session_that_adds_rows_first_runs_the_tables_anchor_again_and_keeps_i
     assert again.config == first.config and again.outcome == "ok" and again.steady is not None
     assert again.contract["recorded_at"] >= first.contract["recorded_at"] and again.contract["stack"]["host_cpu"]
     assert f"anchor {anchor.describe()}:" in printed
+
+    # Long runs for the fidelity benchmark: the configs that ran fastest first, and no kept pass after them.
+    long = tmp_path / "long.jsonl"
+    done = subprocess.run([sys.executable, "bench/record_table.py", "--campaign", str(campaign), "--steps", "10",
+                           "--limit", "1", "--ok-in", str(table), "--order", "best", "--out", str(long)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = load_table(table).rows
+    fastest = max((config for config, row in rows.items() if row.steady is not None), key=lambda c: rows[c].steady.mean)
+    [(config, row)] = load_table(long).rows.items()
+    assert config == fastest and len(row.step_seconds) == 10
+    assert row.kept_startup_seconds is None and any(row.kept_startup_seconds is not None for row in rows.values())
