@@ -30,15 +30,6 @@ from autotune.engine.rundir import create_run_dir
 from autotune.search_benchmark import REACH, Replayer, replay_campaign, run_grid, truth
 
 
-def describe(config) -> str:
-    recompute = config.recompute_granularity
-    if recompute == "selective":
-        recompute += ":" + ",".join(config.recompute_modules)
-    sharding = "fsdp2" if config.use_torch_fsdp2 else "megatron-fsdp" if config.use_megatron_fsdp else "ddp"
-    return (f"MBS {config.micro_batch_size} {recompute} {sharding} EP {config.expert_model_parallel_size}"
-            f" graphs {config.cuda_graph_impl} frozen-vision {config.freeze_vision_model}")
-
-
 def trace(table_path: Path, seeds: list[int]) -> dict:
     table = load_table(table_path)
     connect(None)
@@ -68,7 +59,7 @@ def trace(table_path: Path, seeds: list[int]) -> dict:
                     reached = spent
                 trials.append({"stage": entry.stage, "outcome": entry.outcome, "origin": entry.origin,
                                "device_seconds": entry.device_seconds, "spent_fraction": spent / grid,
-                               "ratio_of_best": ratio, "config": describe(entry.config)})
+                               "ratio_of_best": ratio, "config": campaign.space.describe(entry.config)})
             runs.append({
                 "seed": seed, "trials": trials,
                 "screens": sum(t["stage"] == "screen" for t in trials),
