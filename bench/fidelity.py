@@ -19,6 +19,10 @@ Beside that share, what bounds it and what the search needs from it:
 - ``same_process``: each long run's own first steps screened as the scheduler would, against that
   run's steady value. Its error is the run's own warm-up drift and step noise, with no second
   process in it: a screen in a separate process cannot be expected to do better.
+  Each run's own screen is listed with the share of its steps spent waiting on the data loader in
+  the screened steps and in the steady window (``data_wait_share``, rows recorded with it): a run
+  that starts fast and slows while its loader's wait grows is host-bound, its loader's prefetched
+  batches spent during the screen, which no screen length short of that drain sees.
 - ``between_processes`` (``--repeat``: a second set of long runs of the same configs, recorded with
   ``--ok-in LONG``): each config's two long runs against each other, the spread between fresh
   processes that no screen, however long, removes.
@@ -39,7 +43,7 @@ from rich.table import Table
 
 from autotune.campaign import load_campaign
 from autotune.core.knobs import Config
-from autotune.core.steady import steady_state
+from autotune.core.steady import SteadyEstimate, steady_state
 from autotune.core.tables import RecordedBurst, TableError, load_table
 from autotune.search.screening import screen
 
@@ -60,6 +64,25 @@ def screened_estimate(row: RecordedBurst, screen_steps: int, warmup_steps: int, 
     if decision is None or decision.estimate is None:
         return None
     return decision.estimate.mean, steps
+
+
+def data_wait_share(row: RecordedBurst, steps: slice) -> float | None:
+    """The share of ``steps``' time spent waiting on the data loader (``None``: not recorded)."""
+    if row.data_wait_seconds is None:
+        return None
+    return sum(row.data_wait_seconds[steps]) / sum(row.step_seconds[steps])
+
+
+def own_screen(row: RecordedBurst, screen_steps: int, warmup_steps: int, target: float, steady: SteadyEstimate) -> dict:
+    """A long run's own first steps screened as the scheduler would, against its steady value, with
+    the loader's share of the time in each part."""
+    screened = screened_estimate(row, screen_steps, warmup_steps, target)
+    steps = screened[1] if screened is not None else screen_steps
+    return {"screened": screened[0] if screened is not None else None, "screen_steps": steps,
+            "steady": steady.mean, "steady_from_step": steady.warmup_steps,
+            "relative_error": screened[0] / steady.mean - 1 if screened is not None else None,
+            "data_wait_share": {"screened": data_wait_share(row, slice(warmup_steps, steps)),
+                                "steady": data_wait_share(row, slice(steady.warmup_steps, None))}}
 
 
 def share_within(errors: list[float | None], judged: int) -> float:
@@ -163,7 +186,12 @@ def main() -> None:
         "failed_later": failed_later,
         "within_tolerance_share_by_screen_steps": by_screen_length,
         "ranking": ranking(rows),
-        "same_process": {"configs": len(long_runs), "within_tolerance_share_by_screen_steps": same_process},
+        "same_process": {
+            "configs": len(long_runs), "within_tolerance_share_by_screen_steps": same_process,
+            "runs": [{"describe": config.describe()} | own_screen(row, stages.screen_steps, stages.warmup_steps,
+                                                                  stages.target_relative_half_width, steady[config])
+                     for config, row in long_runs.items()],
+        },
         "between_processes": between_processes,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -184,6 +212,11 @@ def main() -> None:
                   ", ".join(f"L={length}: {share:.0%}" for length, share in by_screen_length.items()))
     console.print("the long runs' own first L steps within ±3 % of their steady value (one process): " +
                   ", ".join(f"L={length}: {share:.0%}" for length, share in same_process.items()))
+    for run in result["same_process"]["runs"]:
+        wait = run["data_wait_share"]
+        if run["relative_error"] is not None and wait["screened"] is not None:
+            console.print(f"  {escape(run['describe'])}: its own screen {100 * run['relative_error']:+.1f}% off its steady "
+                          f"value; data wait {wait['screened']:.0%} of the screened steps, {wait['steady']:.0%} steady")
     order = result["ranking"]
     console.print(f"pairs the screens order as the long runs do: {order['ordered_as_long_runs']}/{order['pairs']}; "
                   f"of those apart by more than ±{200 * TOLERANCE:.0f} %: "

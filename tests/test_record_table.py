@@ -52,4 +52,6 @@ def test_a_session_that_adds_rows_first_runs_the_anchor_again_and_long_runs_take
     fastest = max((config for config, row in rows.items() if row.steady is not None), key=lambda c: rows[c].steady.mean)
     [(config, row)] = load_table(long).rows.items()
     assert config == fastest and len(row.step_seconds) == 10
+    assert row.data_wait_seconds is not None and len(row.data_wait_seconds) == 10
+    assert all(0 <= wait < step for wait, step in zip(row.data_wait_seconds, row.step_seconds))
     assert row.kept_startup_seconds is None and any(row.kept_startup_seconds is not None for row in rows.values())

@@ -5,7 +5,8 @@ against, so it must be complete: a config its space holds but the table lacks is
 a guess. Each line::
 
     {"config": {canonical knob names -> values}, "outcome": "ok"|"oom"|"invalid"|"failed",
-     "step_seconds": [every step, warm-up included], "useful_tokens_per_step": int,
+     "step_seconds": [every step, warm-up included], "data_wait_seconds": [each step's]|null,
+     "useful_tokens_per_step": int,
      "peak_memory_gib": float|null, "startup_seconds": float, "warm_startup_seconds": float|null,
      "kept_startup_seconds": float|null, "kept_first_step_seconds": float|null,
      "error": str|null, "contract": {...}}
@@ -62,6 +63,9 @@ class RecordedBurst(BaseModel):
     config: dict[str, Any]
     outcome: RecordedOutcome
     step_seconds: list[float] = Field(description="every step, warm-up included")
+    data_wait_seconds: list[float] | None = Field(
+        default=None, description="each step's wait on its data loader, within its step_seconds (the slowest "
+                                  "rank's); null in rows recorded before it was kept")
     useful_tokens_per_step: int = Field(ge=0)
     peak_memory_gib: float | None = Field(ge=0)
     startup_seconds: float = Field(ge=0, description="cold: the burst paid its ranks' imports")
