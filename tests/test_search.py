@@ -229,6 +229,23 @@ def test_screening_stops_converged_trials_and_prunes_clearly_worse_ones() -> Non
     assert screen(worse[:3], best=best, min_warmup=2).action == "continue"  # too early to judge
 
 
+def test_a_config_at_a_third_of_the_best_is_pruned_two_steps_after_its_warm_up() -> None:
+    best = steady_state([1000.0, 1002.0, 998.0, 1001.0, 999.0, 1000.0, 1001.0, 999.0], min_warmup=2)
+    warmup = [100.0, 250.0]
+    third = [*warmup, 330.0, 340.0]
+    assert screen(third[:3], best=best, min_warmup=2).action == "continue"  # one step says too little
+    decision = screen(third, best=best, min_warmup=2)
+    assert decision.action == "prune" and "under half" in decision.reason
+    assert decision.estimate is not None and decision.estimate.window == 2 and decision.estimate.mean == 335.0
+    # Not where one step after the warm-up ran over half the threshold, nor for a near-best config
+    # whose first steps after the warm-up are slow: those wait for the steady window.
+    assert screen([*warmup, 330.0, 510.0], best=best, min_warmup=2).action == "continue"
+    assert screen([*warmup, 700.0, 720.0], best=best, min_warmup=2).action == "continue"
+    # The margin moves the threshold: with prune_margin 0.7 (a noisy box's tests) 330 is not under half.
+    assert screen(third, best=best, min_warmup=2, prune_margin=0.7).action == "continue"
+    assert screen(third, best=None, min_warmup=2).action == "continue"  # nothing to compare with
+
+
 def test_an_exhausted_space_ends_the_search_and_each_rejection_is_recorded_once(tmp_path: Path) -> None:
     path = tmp_path / "tiny.yaml"
     path.write_text(Path("search_spaces/cpu_demo.yaml").read_text().split("tune:")[0] + (
