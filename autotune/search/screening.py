@@ -7,7 +7,7 @@ pessimistic one. Pruned trials keep their partial estimate.
 
 A steady interval needs ``min_window`` steps after the warm-up, and a config running at a third of
 the best's speed pays them all at a third of its speed: on the H100 TE table such screens cost
-17–28 device-s each. So a trial is pruned sooner, :data:`CLEAR_LOSER_STEPS` steps after its
+17–32 device-s each. So a trial is pruned sooner, :data:`CLEAR_LOSER_STEPS` steps after its
 warm-up, where even its fastest step so far is under half the prune threshold (the best's lower
 bound less the margin): too few steps to pin a mean, enough to show it runs at less than half the
 speed it would need. A config near the best is pruned this way only if its first steps after the
