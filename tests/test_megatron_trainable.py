@@ -230,6 +230,37 @@ class _MoELayer(torch.nn.Module):
         return self.token_dispatcher.route(self.router(hidden).softmax(-1))
 
 
+class _GraphRunner(torch.nn.Module):
+    """As megatron-core's local CUDA-graph runner: keeps the forward it recorded, outputs in a tuple."""
+
+    def __init__(self, base_module: torch.nn.Module) -> None:
+        super().__init__()
+        self.base_module = base_module
+        self.outputs: tuple[torch.Tensor, ...] | None = None
+
+    def record(self, output: torch.Tensor) -> torch.Tensor:
+        self.outputs = (output,)
+        return output
+
+
+class _GraphManager(torch.nn.Module):
+    """As megatron-core's ``CudaGraphManager``: its runners in a plain list, not submodules."""
+
+    def __init__(self, base_module: torch.nn.Module) -> None:
+        super().__init__()
+        self.cudagraph_runners = [_GraphRunner(base_module)]
+
+
+class _GraphedLayer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 4)
+        self.cudagraph_manager = _GraphManager(self)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.cudagraph_manager.cudagraph_runners[0].record(self.linear(hidden))
+
+
 class _HookedWrapper(torch.nn.Module):
     """As megatron-core's DDP: a hook on each parameter's gradient accumulator closes over it."""
 
@@ -250,19 +281,25 @@ class _HookedWrapper(torch.nn.Module):
         return self.module(hidden)
 
 
+@pytest.mark.parametrize("layer", [_MoELayer, _GraphedLayer], ids=["dispatcher", "local-graph-runner"])
 @pytest.mark.parametrize("drop", [False, True], ids=["kept", "dropped"])
-def test_a_trained_model_is_collected_once_its_kept_graphs_are_dropped(drop: bool) -> None:
-    """A tensor that keeps a trained step's autograd graph on a module's helper ties the model to
+def test_a_trained_model_is_collected_once_its_kept_graphs_are_dropped(drop: bool, layer: type) -> None:
+    """A tensor that keeps a trained step's autograd graph on a module's helper (the dispatcher's
+    probabilities; a local-graph runner's recorded outputs, the runner in a list) ties the model to
     C++ nodes whose hooks close over the wrapper: the collector cannot free it until the tensor goes."""
     from trainables.megatron.burst import drop_kept_autograd_graphs
 
-    wrapper = _HookedWrapper(_MoELayer())
+    wrapper = _HookedWrapper(layer())
     wrapper(torch.randn(3, 8)).sum().backward()
-    assert wrapper.gradients_ready == 2  # the router's weight and bias
+    assert wrapper.gradients_ready == 2  # the layer's weight and bias
     alive = weakref.ref(wrapper)
     if drop:
         drop_kept_autograd_graphs(wrapper)
-        assert wrapper.module.token_dispatcher.probs is None
+        if layer is _MoELayer:
+            assert wrapper.module.token_dispatcher.probs is None
+        else:
+            assert wrapper.module.cudagraph_manager.cudagraph_runners[0].outputs is None
+            assert wrapper.module.linear.weight is not None  # parameters carry no graph: kept
     del wrapper
     gc.collect()
     assert (alive() is None) is drop

@@ -28,6 +28,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_leaves
 
 from autotune.core.contract import (
     BurstRequest,
@@ -558,15 +559,32 @@ def drop_kept_autograd_graphs(model: torch.nn.Module) -> None:
     parameter's gradient accumulator before that layer, and megatron-core's DDP hooks each
     accumulator with a closure over itself: DDP, model, buffers and optimizer are then held from
     C++, where the collector cannot see the cycle (an H200, 2026-12-06: 19,584 MiB left after
-    bring-up's burst; ``bench/results/h200_kept_ranks_20261206/``). Public for
-    ``bench/device/leak_holders.py``."""
+    bring-up's burst; ``bench/results/h200_kept_ranks_20261206/``). Its local CUDA graphs
+    (``cuda_graph_impl: local``) do the same from each layer's graph runners, modules its
+    ``CudaGraphManager`` keeps in a plain list (out of ``model.modules()``' reach), with the
+    forward outputs they recorded and captured in tuples (``outputs``, ``fwd_graph_outputs``): on
+    an H200 without TE (2026-12-07) every local-graph burst that ended ok left 18.6–21.0 GiB
+    allocated, and its kept rank was replaced. Public for ``bench/device/leak_holders.py``."""
     for module in model.modules():
-        helpers = [value for value in vars(module).values()
-                   if hasattr(value, "__dict__") and not isinstance(value, (torch.nn.Module, torch.Tensor, type))]
-        for holder in (module, *helpers):
+        for holder in (module, *_helpers(module)):
             for name, value in list(vars(holder).items()):
-                if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                if _carries_autograd_graph(value):
                     setattr(holder, name, None)
+
+
+def _helpers(module: torch.nn.Module) -> Iterator[Any]:
+    """The objects a module keeps beside its submodules: plain objects, and the modules it keeps
+    in lists or tuples (not submodules, so ``model.modules()`` does not reach them)."""
+    for value in vars(module).values():
+        if isinstance(value, (list, tuple)):
+            yield from (item for item in value if isinstance(item, torch.nn.Module))
+        elif hasattr(value, "__dict__") and not isinstance(value, (torch.nn.Module, torch.Tensor, type)):
+            yield value
+
+
+def _carries_autograd_graph(value: Any) -> bool:
+    """Whether ``value`` is, or holds in lists, tuples or dicts, a tensor with an autograd graph."""
+    return any(isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None for leaf in tree_leaves(value))
 
 
 def _count_checkpoint_nodes(output: torch.Tensor) -> int:
