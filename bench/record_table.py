@@ -255,11 +255,11 @@ def main() -> None:
     if args.order == "best" and args.ok_in is None:
         raise SystemExit("--order best ranks configs by their rows in --ok-in: give --ok-in")
     if args.ok_in is not None:
-        ran_ok = {config: row.steady.mean for config, row in load_table(args.ok_in).rows.items()
-                  if row.steady is not None}
-        todo = [config for config in todo if config in ran_ok]
+        steady_rates = {config: row.steady.mean for config, row in load_table(args.ok_in).rows.items()
+                        if row.steady is not None}  # the rows that ran ok, long enough for a rate
+        todo = [config for config in todo if config in steady_rates]
         if args.order == "best":
-            todo.sort(key=ran_ok.__getitem__, reverse=True)
+            todo.sort(key=steady_rates.__getitem__, reverse=True)
     if args.order == "shuffled":
         random.Random(0).shuffle(todo)
     todo = todo[: args.limit] if args.limit is not None else todo

@@ -50,11 +50,12 @@ def screen(
     threshold = best.ci_low * (1 - prune_margin) if best is not None else None
     if estimate is None:
         after_warmup = tokens_per_second[min_warmup:]
-        if threshold is not None and len(after_warmup) >= CLEAR_LOSER_STEPS and max(after_warmup) < threshold / 2:
+        fastest = max(after_warmup, default=0.0)
+        if threshold is not None and len(after_warmup) >= CLEAR_LOSER_STEPS and fastest < threshold / 2:
             partial = steady_state(tokens_per_second, min_warmup=min_warmup, min_window=len(after_warmup))
             return ScreenDecision(
                 "prune", partial,
-                f"its fastest step after the warm-up, {max(after_warmup):.0f}, is under half of {threshold:.0f}, "
+                f"its fastest step after the warm-up, {fastest:.0f}, is under half of {threshold:.0f}, "
                 f"the best's lower bound less {100 * prune_margin:.0f}%",
             )
         return ScreenDecision("continue", None, "warming up")
