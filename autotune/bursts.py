@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Sequence
 
 from autotune.core.contract import BurstRequest, BurstResult, SteadyWindow
 from autotune.core.registry import burst_runner
@@ -64,9 +64,23 @@ def summarize(request: BurstRequest, result: BurstResult, min_warmup: int) -> di
                 for stage in ("vision", "projector", "decoder")
             },
             "peak_memory_bytes": max(r.peak_memory_bytes for r in window),
+            "gpu_clock": gpu_clock_summary((r.sm_clock_mhz, r.clock_held_by) for r in window),
         }
     if result.contract is not None:
         window = None if estimate is None else SteadyWindow(first_step=estimate.warmup_steps,
                                                             steps=len(records) - estimate.warmup_steps)
         summary["contract"] = result.contract.model_copy(update={"steady_window": window}).to_json()
     return summary
+
+
+
+def gpu_clock_summary(steps: Iterable[tuple[float | None, Sequence[str]]]) -> dict[str, Any] | None:
+    """Of steps' (SM clock, what held it down): the mean clock and the share of steps whose clock
+    power or heat held down (NVML's reasons), with those reasons; ``None`` where no step read a
+    clock (the CPU, tables recorded before clocks were)."""
+    read = [(clock, held) for clock, held in steps if clock is not None]
+    if not read:
+        return None
+    return {"sm_clock_mhz": sum(clock for clock, _ in read) / len(read),
+            "held_share": sum(bool(held) for _, held in read) / len(read),
+            "held_by": sorted({reason for _, held in read for reason in held})}

@@ -22,7 +22,10 @@ Beside that share, what bounds it and what the search needs from it:
   Each run's own screen is listed with the share of its steps spent waiting on the data loader in
   the screened steps and in the steady window (``data_wait_share``, rows recorded with it): a run
   that starts fast and slows while its loader's wait grows is host-bound, its loader's prefetched
-  batches spent during the screen, which no screen length short of that drain sees.
+  batches spent during the screen, which no screen length short of that drain sees. And with the
+  GPU's SM clock in both parts, and how often NVML's power or thermal reasons held it down
+  (``gpu_clock``, rows recorded with it): a GPU-bound run that slows with its loader idle while its
+  clock falls is the GPU reaching its power or heat limit, which a screen of seconds may not reach.
 - ``between_processes`` (``--repeat``: a second set of long runs of the same configs, recorded with
   ``--ok-in LONG``): each config's two long runs against each other, the spread between fresh
   processes that no screen, however long, removes.
@@ -41,6 +44,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from autotune.bursts import gpu_clock_summary
 from autotune.campaign import load_campaign
 from autotune.core.knobs import Config
 from autotune.core.steady import SteadyEstimate, steady_state
@@ -73,16 +77,24 @@ def data_wait_share(row: RecordedBurst, steps: slice) -> float | None:
     return sum(row.data_wait_seconds[steps]) / sum(row.step_seconds[steps])
 
 
+def gpu_clock(row: RecordedBurst, steps: slice) -> dict | None:
+    """The GPU's clock over ``steps`` (:func:`~autotune.bursts.gpu_clock_summary`)."""
+    if row.sm_clock_mhz is None or row.clock_held_by is None:
+        return None
+    return gpu_clock_summary(zip(row.sm_clock_mhz[steps], row.clock_held_by[steps]))
+
+
 def own_screen(row: RecordedBurst, screen_steps: int, warmup_steps: int, target: float, steady: SteadyEstimate) -> dict:
     """A long run's own first steps screened as the scheduler would, against its steady value, with
-    the loader's share of the time in each part."""
+    the loader's share of the time and the GPU's clock in each part."""
     screened = screened_estimate(row, screen_steps, warmup_steps, target)
     steps = screened[1] if screened is not None else screen_steps
+    parts = {"screened": slice(warmup_steps, steps), "steady": slice(steady.warmup_steps, None)}
     return {"screened": screened[0] if screened is not None else None, "screen_steps": steps,
             "steady": steady.mean, "steady_from_step": steady.warmup_steps,
             "relative_error": screened[0] / steady.mean - 1 if screened is not None else None,
-            "data_wait_share": {"screened": data_wait_share(row, slice(warmup_steps, steps)),
-                                "steady": data_wait_share(row, slice(steady.warmup_steps, None))}}
+            "data_wait_share": {part: data_wait_share(row, steps) for part, steps in parts.items()},
+            "gpu_clock": {part: gpu_clock(row, steps) for part, steps in parts.items()}}
 
 
 def share_within(errors: list[float | None], judged: int) -> float:
@@ -215,8 +227,14 @@ def main() -> None:
     for run in result["same_process"]["runs"]:
         wait = run["data_wait_share"]
         if run["relative_error"] is not None and wait["screened"] is not None:
+            clocks = run["gpu_clock"]
+            clock = "" if clocks["screened"] is None or clocks["steady"] is None else (
+                f"; SM clock {clocks['screened']['sm_clock_mhz']:,.0f} MHz screened, "
+                f"{clocks['steady']['sm_clock_mhz']:,.0f} steady, held down in {clocks['steady']['held_share']:.0%} "
+                f"of the steady steps ({', '.join(clocks['steady']['held_by']) or 'nothing'})")
             console.print(f"  {escape(run['describe'])}: its own screen {100 * run['relative_error']:+.1f}% off its steady "
-                          f"value; data wait {wait['screened']:.0%} of the screened steps, {wait['steady']:.0%} steady")
+                          f"value; data wait {wait['screened']:.0%} of the screened steps, {wait['steady']:.0%} steady"
+                          + clock)
     order = result["ranking"]
     console.print(f"pairs the screens order as the long runs do: {order['ordered_as_long_runs']}/{order['pairs']}; "
                   f"of those apart by more than ±{200 * TOLERANCE:.0f} %: "

@@ -194,6 +194,8 @@ def record_burst(campaign: Campaign, campaign_path: Path, config: Config, steps:
         outcome=result.outcome,  # never `pruned`: nothing stops a recorded burst
         step_seconds=step_seconds,
         data_wait_seconds=[record.data_wait_seconds for record in result.records],
+        sm_clock_mhz=[record.sm_clock_mhz for record in result.records],
+        clock_held_by=[list(record.clock_held_by) for record in result.records],
         useful_tokens_per_step=round(sum(r.useful_tokens for r in result.records) / len(step_seconds)) if step_seconds else 0,
         peak_memory_gib=max(r.peak_memory_bytes for r in result.records) / GIB if step_seconds else None,
         startup_seconds=startup,

@@ -381,8 +381,12 @@ import json, sys, torch, torch.distributed as dist
 from dataclasses import asdict
 from datetime import timedelta
 from autotune.core.contract import Contract, Evidence
+import trainables.steps
+from trainables.gpu_clock import ClockReading
 from trainables.steps import LocalMeasures, StepCounts, finish_step
 rank, rendezvous = int(sys.argv[1]), sys.argv[2]
+# What NVML would read on a GPU: rank 1's clock held down by its power cap.
+trainables.steps.read_clock = lambda device: [ClockReading(1980.0, ()), ClockReading(1755.0, ("sw_power_cap",))][rank]
 dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2, timeout=timedelta(seconds=120))
 class Run:
     device, rank, world_size, build_phases = torch.device("cpu"), rank, 2, ()
@@ -410,13 +414,14 @@ def test_finish_step_reduces_over_ranks_and_stops_them_together(tmp_path: Path) 
     assert results[0] == results[1]  # every rank holds the same record and the same verdict
     record, stop = results[0]
     assert stop  # rank 0's reporter said stop; rank 1 has none
-    # Times of the slowest rank, whole; counts summed; the fullest rank's peak; the loss averaged
-    # over the one rank that computed it.
+    # Times of the slowest rank, whole; counts summed; the fullest rank's peak; the lowest clock and
+    # what held any rank's down; the loss averaged over the one rank that computed it.
     assert (record["step_seconds"], record["data_wait_seconds"], record["projector_seconds"],
             record["decoder_seconds"]) == (2.0, 0.5, 0.25, 1.0)
     assert (record["useful_tokens"], record["image_tokens"], record["loss_tokens"], record["samples"],
             record["model_flops"], record["skipped_samples"]) == (10, 4, 6, 2, 1e6, 1)
     assert record["peak_memory_bytes"] == 200 and record["loss"] == 3.0
+    assert (record["sm_clock_mhz"], record["clock_held_by"]) == (1755.0, ["sw_power_cap"])
 
 
 # -- the measurement contract ---------------------------------------------------------------------

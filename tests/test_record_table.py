@@ -54,4 +54,5 @@ def test_a_session_that_adds_rows_first_runs_the_anchor_again_and_long_runs_take
     assert config == fastest and len(row.step_seconds) == 10
     assert row.data_wait_seconds is not None and len(row.data_wait_seconds) == 10
     assert all(0 <= wait < step for wait, step in zip(row.data_wait_seconds, row.step_seconds))
+    assert row.sm_clock_mhz == [None] * 10 and row.clock_held_by == [[]] * 10  # a CPU step reads no GPU clock
     assert row.kept_startup_seconds is None and any(row.kept_startup_seconds is not None for row in rows.values())

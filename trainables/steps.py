@@ -3,12 +3,13 @@ rank's measures become the step's :class:`~autotune.core.contract.StepRecord` fo
 
 A trainable times its own step and counts its batches (:class:`LocalMeasures`, :func:`count_batches`);
 :func:`finish_step` does the rest the same way for all of them, so a record means the same thing whichever trainable made it:
-times from the slowest rank, counts summed over ranks, the peak of the fullest rank, the loss
-averaged over the ranks that compute one, and rank 0's reporter deciding whether every rank stops.
+times from the slowest rank, counts summed over ranks, the peak of the fullest rank, the lowest GPU
+clock (:mod:`trainables.gpu_clock`), the loss averaged over the ranks that compute one, and rank 0's reporter deciding whether every rank stops.
 """
 
 from __future__ import annotations
 
+import math
 import resource
 import time
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from autotune.core.contract import (
 )
 from trainables.data.loader import MicroBatch
 from trainables.flops import step_flops
+from trainables.gpu_clock import HOLDING_REASONS, ClockReading, read_clock
 
 
 def run_steps(device: torch.device, steps: int, train_step: Callable[[int], tuple[StepRecord, bool]],
@@ -163,7 +165,7 @@ def finish_step(run: RankRun, step: int, local: LocalMeasures, reporter: Reporte
     first = step == 0
     # when this rank began its first step, taken before the reduction, which waits for the slowest rank
     began_at = time.time() - local.step_seconds if first else None
-    times, counts, peak = _reduce(run, local)
+    times, counts, peak, clock = _reduce(run, local, read_clock(run.device))
     step_seconds, data_wait, vision, projector = times
     useful, image, loss_tokens, samples, flops, skipped, loss_sum, loss_ranks = counts
     record = StepRecord(
@@ -181,6 +183,8 @@ def finish_step(run: RankRun, step: int, local: LocalMeasures, reporter: Reporte
         peak_memory_bytes=int(peak),
         loss=loss_sum / max(loss_ranks, 1.0),
         skipped_samples=int(skipped),
+        sm_clock_mhz=None if clock is None else clock.sm_clock_mhz,
+        clock_held_by=() if clock is None else clock.held_by,
     )
     stop = False
     if reporter is not None:
@@ -190,8 +194,10 @@ def finish_step(run: RankRun, step: int, local: LocalMeasures, reporter: Reporte
     return record, _rank_zero_says(run, stop)
 
 
-def _reduce(run: RankRun, local: LocalMeasures) -> tuple[list[float], list[float], float]:
-    """(times of the slowest rank, counts summed over ranks, the largest peak)."""
+def _reduce(run: RankRun, local: LocalMeasures,
+            clock: ClockReading | None) -> tuple[list[float], list[float], float, ClockReading | None]:
+    """(times of the slowest rank, counts summed over ranks, the largest peak, the lowest clock with
+    what held any rank's down; ``None`` where no rank read one)."""
     times = torch.tensor([local.step_seconds, local.data_wait_seconds, local.vision_seconds,
                           local.projector_seconds], dtype=torch.float64, device=run.device)
     # The loss travels as a sum with the number of ranks that computed one, to average over those.
@@ -199,15 +205,22 @@ def _reduce(run: RankRun, local: LocalMeasures) -> tuple[list[float], list[float
     counts = torch.tensor([counted.useful_tokens, counted.image_tokens, counted.loss_tokens, counted.samples,
                            counted.model_flops, counted.skipped_samples, 0.0 if local.loss is None else local.loss,
                            0.0 if local.loss is None else 1.0], dtype=torch.float64, device=run.device)
-    peak = torch.tensor([float(local.peak_memory_bytes)], dtype=torch.float64, device=run.device)
+    # One maximum reduces the peak, the clock (its negative: the lowest clock; -inf where a rank read
+    # none) and each holding reason (1 where it held a rank's clock).
+    reasons = clock.held_by if clock is not None else ()
+    maxima = torch.tensor([float(local.peak_memory_bytes), -clock.sm_clock_mhz if clock is not None else -math.inf,
+                           *(float(name in reasons) for name in HOLDING_REASONS)], dtype=torch.float64, device=run.device)
     if run.world_size > 1:
         # The slowest rank's times, whole: its stages add up to its step, another rank's would not.
         gathered = [torch.empty_like(times) for _ in range(run.world_size)]
         dist.all_gather(gathered, times)
         times = max(gathered, key=lambda row: row[0].item())
         dist.all_reduce(counts)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    return times.tolist(), counts.tolist(), peak.item()
+        dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
+    peak, negative_clock, *held = maxima.tolist()
+    lowest = None if negative_clock == -math.inf else \
+        ClockReading(-negative_clock, tuple(name for name, flag in zip(HOLDING_REASONS, held) if flag))
+    return times.tolist(), counts.tolist(), peak, lowest
 
 
 def _rank_zero_says(run: RankRun, stop: bool) -> bool:

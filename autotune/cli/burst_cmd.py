@@ -114,3 +114,6 @@ def _print(summary: dict) -> None:
             f"projector {100 * shares['projector']:.0f}% · decoder+optimizer {100 * shares['decoder']:.0f}% · "
             f"peak {steady['peak_memory_bytes'] / 2**20:.0f} MiB"
         )
+        if clock := steady["gpu_clock"]:
+            console.print(f"SM clock {clock['sm_clock_mhz']:,.0f} MHz, held down in {clock['held_share']:.0%} of the "
+                          f"steady steps ({', '.join(clock['held_by']) or 'nothing'})")

@@ -202,6 +202,12 @@ class StepRecord:
     peak_memory_bytes: int
     loss: float
     skipped_samples: int = 0
+    sm_clock_mhz: float | None = None
+    """The GPU's SM clock at the step's end, the lowest of the ranks'; ``None`` on the CPU or where
+    NVML cannot read it."""
+    clock_held_by: tuple[str, ...] = ()
+    """What held a rank's SM clock down at the step's end (NVML's power, thermal and slowdown
+    reasons, by NVML's names; any rank's)."""
 
     @property
     def tokens_per_second(self) -> float:

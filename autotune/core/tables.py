@@ -6,6 +6,7 @@ a guess. Each line::
 
     {"config": {canonical knob names -> values}, "outcome": "ok"|"oom"|"invalid"|"failed",
      "step_seconds": [every step, warm-up included], "data_wait_seconds": [each step's]|null,
+     "sm_clock_mhz": [each step's]|null, "clock_held_by": [[reasons] of each step]|null,
      "useful_tokens_per_step": int,
      "peak_memory_gib": float|null, "startup_seconds": float, "warm_startup_seconds": float|null,
      "kept_startup_seconds": float|null, "kept_first_step_seconds": float|null,
@@ -66,6 +67,12 @@ class RecordedBurst(BaseModel):
     data_wait_seconds: list[float] | None = Field(
         default=None, description="each step's wait on its data loader, within its step_seconds (the slowest "
                                   "rank's); null in rows recorded before it was kept")
+    sm_clock_mhz: list[float | None] | None = Field(
+        default=None, description="each step's GPU SM clock at its end, the lowest rank's (null: not read, as on "
+                                  "the CPU); null in rows recorded before it was kept")
+    clock_held_by: list[list[str]] | None = Field(
+        default=None, description="what held each step's GPU clock down (NVML's power, thermal and slowdown "
+                                  "reasons); null in rows recorded before it was kept")
     useful_tokens_per_step: int = Field(ge=0)
     peak_memory_gib: float | None = Field(ge=0)
     startup_seconds: float = Field(ge=0, description="cold: the burst paid its ranks' imports")
