@@ -197,7 +197,9 @@ class BudgetSection(_Strict):
     max_trials: int = Field(ge=1)
     patience: int | None = Field(default=None, ge=1)
     """Screening ends once this many screens in a row found nothing faster than the best so far
-    (configs rejected before launch cost nothing and do not count)."""
+    (configs rejected before launch cost nothing and do not count). Only the sampler's proposals
+    count: warm starts run whatever the search finds, and the memory-frontier walk ends by its own
+    rule."""
     gpu_hours: float | None = Field(default=None, gt=0)
     deadline: datetime | None = None
     """ISO 8601 with a time zone, e.g. ``2026-12-02T06:00:00Z``."""

@@ -222,6 +222,8 @@ def test_promotion_runs_fifty_steps_and_the_verdict_reads_the_intervals(campaign
     # the top 2 screens and the bring-up warm start, run as long as they are for the gain over it
     (bring_up,) = [e for e in entries(run_dir) if e.stage == "screen" and e.warm_start == "bring-up"]
     assert bring_up.config in {e.config for e in promoted}
+    # its screen only showed that it runs: stopped two steps after its warm-up (1 step here)
+    assert bring_up.outcome == "ok" and bring_up.steps == 1 + 2 and "its promotion measures it" in bring_up.reason
     assert len(promoted) == 3 and all(e.steps == 50 and e.outcome == "ok" for e in promoted)
     assert all(all(e.evidence.checks.values()) for e in promoted)
     assert {e.promoted_from for e in promoted} <= {e.trial_id for e in entries(run_dir) if e.stage == "screen"}
@@ -551,6 +553,17 @@ def test_patience_ends_screening_after_that_many_screens_in_a_row_find_nothing_f
     lost = entry("f", "screen", None, outcome="failed", micro_batch_size=2, cause="node_lost")
     records.extend([lost, lost, lost])  # the cluster failed, not the search: not counted
     assert budget.plateaued() is None
+    # Only the sampler's proposals count: a warm start runs whatever the search finds (bring-up, in
+    # the other slot, ends after two proposals that did not beat the best), and the frontier walk's
+    # levels end by the walk's own rule; the third of the sampler's is what ends screening.
+    records.extend([entry("g", "screen", 20.0, micro_batch_size=2, recompute_granularity="full"),
+                    entry("h", "screen", 21.0, micro_batch_size=4, recompute_granularity="full", origin="nearest"),
+                    entry("u", "screen", 3.0, micro_batch_size=1, recompute_granularity="full", origin="warm_start",
+                          warm_start="bring-up"),
+                    entry("w", "screen", 27.0, micro_batch_size=4, origin="frontier")])
+    assert budget.plateaued() is None
+    records.append(entry("i", "screen", 22.0, micro_batch_size=8, recompute_granularity="full"))
+    assert budget.plateaued() == "3 screens in a row found nothing faster than the best (patience 3)"
 
 
 def test_the_ledger_keeps_the_best_screen_and_the_spend_as_entries_arrive(tmp_path) -> None:

@@ -246,6 +246,18 @@ def test_a_config_at_a_third_of_the_best_is_pruned_two_steps_after_its_warm_up()
     assert screen(third, best=None, min_warmup=2).action == "continue"  # nothing to compare with
 
 
+def test_a_baselines_screen_stops_two_steps_after_its_warm_up_with_its_partial_estimate() -> None:
+    series = [100.0, 250.0, 400.0, 410.0, 405.0, 400.0, 402.0, 404.0]
+    assert screen(series[:3], best=None, min_warmup=2, baseline=True).action == "continue"  # one step says too little
+    decision = screen(series[:4], best=None, min_warmup=2, baseline=True)
+    assert decision.action == "stop" and "promotion" in decision.reason
+    assert decision.estimate is not None and decision.estimate.window == 2 and decision.estimate.mean == 405.0
+    assert screen(series[:4], best=None, min_warmup=2).action == "continue"  # any other config waits for its window
+    # A baseline far below the best is still pruned, not stopped as if it ran ok.
+    best = steady_state([1000.0, 1002.0, 998.0, 1001.0, 999.0, 1000.0, 1001.0, 999.0], min_warmup=2)
+    assert screen(series[:4], best=best, min_warmup=2, baseline=True).action == "prune"
+
+
 def test_an_exhausted_space_ends_the_search_and_each_rejection_is_recorded_once(tmp_path: Path) -> None:
     path = tmp_path / "tiny.yaml"
     path.write_text(Path("search_spaces/cpu_demo.yaml").read_text().split("tune:")[0] + (

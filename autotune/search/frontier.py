@@ -40,9 +40,10 @@ knobs, with every part the space lets freeze frozen (the seed: a small real gain
    the fastest there first: it holds a different amount of memory, so its frontier and the
    recompute it can do without are its own (on the CPU table, selective ``core_attn`` beat ``none``
    under FSDP2 and lost to it under DDP, where DDP was fastest). Settling the sharding first
-   matters when the campaign's patience is short: on the CPU demo's counted-memory table FSDP2
+   matters when the campaign's screens are few: on the CPU demo's counted-memory table FSDP2
    won the warm starts, and a walk that relaxed FSDP2's recompute to the end first ran out of
-   patience before DDP, where the best is, in 9 seeds of 10.
+   patience before DDP, where the best is, in 9 seeds of 10 (when the walk's screens counted
+   toward patience; now only the sampler's do, and ``max_trials`` bounds the walk).
 
 The walk is a function of the results so far, so a campaign that resumes walks on from where it
 was, and a new incumbent (found by the sampler, or by step 3) walks from where it stands: with

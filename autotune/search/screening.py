@@ -12,6 +12,13 @@ warm-up, where even its fastest step so far is under half the prune threshold (t
 bound less the margin): too few steps to pin a mean, enough to show it runs at less than half the
 speed it would need. A config near the best is pruned this way only if its first steps after the
 warm-up all ran at under half its steady speed: slowness the warm-up is there to absorb.
+
+A baseline (bring-up, whose long run every gain is quoted against) stops as soon, with that same
+partial estimate: promotion runs it for ``promote_steps`` whatever its screen says, so its screen
+only has to show that the model runs and give the search a first incumbent. Bring-up is the
+slowest config a campaign runs on purpose (the seed's FSDP-first start, full recompute): its full
+screen was 66 device-s of the H100 TE table's 833 (0.08 of the grid) and 127 s of the H200 TE
+campaign's screening.
 """
 
 from __future__ import annotations
@@ -24,7 +31,8 @@ from autotune.core.steady import MIN_WINDOW, SteadyEstimate, steady_state
 Action = Literal["continue", "stop", "prune"]
 
 CLEAR_LOSER_STEPS = 2
-"""Steps after the warm-up before a trial far below the best can be pruned without a steady window."""
+"""Steps after the warm-up before a trial far below the best can be pruned without a steady window,
+and after which a baseline's screen stops."""
 
 
 @dataclass(frozen=True)
@@ -42,7 +50,10 @@ def screen(
     min_window: int = MIN_WINDOW,
     target_relative_half_width: float = 0.02,
     prune_margin: float = 0.02,
+    baseline: bool = False,
 ) -> ScreenDecision:
+    """The decision after the steps so far (useful tokens/s of each); ``baseline``: the trial is
+    bring-up, whose promotion measures it (the module's last paragraph)."""
     estimate = steady_state(
         tokens_per_second, min_warmup=min_warmup, min_window=min_window,
         target_relative_half_width=target_relative_half_width,
@@ -51,13 +62,17 @@ def screen(
     if estimate is None:
         after_warmup = tokens_per_second[min_warmup:]
         fastest = max(after_warmup, default=0.0)
-        if threshold is not None and len(after_warmup) >= CLEAR_LOSER_STEPS and fastest < threshold / 2:
-            partial = steady_state(tokens_per_second, min_warmup=min_warmup, min_window=len(after_warmup))
+        if len(after_warmup) < CLEAR_LOSER_STEPS:
+            return ScreenDecision("continue", None, "warming up")
+        partial = steady_state(tokens_per_second, min_warmup=min_warmup, min_window=len(after_warmup))
+        if threshold is not None and fastest < threshold / 2:
             return ScreenDecision(
                 "prune", partial,
                 f"its fastest step after the warm-up, {fastest:.0f}, is under half of {threshold:.0f}, "
                 f"the best's lower bound less {100 * prune_margin:.0f}%",
             )
+        if baseline:
+            return ScreenDecision("stop", partial, "the baseline runs; its promotion measures it")
         return ScreenDecision("continue", None, "warming up")
     if threshold is not None and estimate.window >= min_window and estimate.ci_high < threshold:
         return ScreenDecision(
