@@ -50,19 +50,21 @@ it. A process that runs many bursts (kept ranks) opens it once."""
 
 def read_clock(device: torch.device) -> ClockReading | None:
     """The SM clock of ``device`` now, and what holds it down; ``None`` on the CPU or where NVML
-    cannot read the device (no driver library, a device it does not list), said once in the log."""
+    cannot read the device (no driver library, a device it does not list, a driver without these
+    calls), said once in the log: a measurement's instrument never fails the training it watches."""
     if device.type != "cuda":
         return None
     uuid = f"GPU-{torch.cuda.get_device_properties(device).uuid}"  # NVML names devices as CUDA does, not by index
-    if uuid not in _handles:
-        try:
+    try:
+        if uuid not in _handles:
             pynvml.nvmlInit()
             _handles[uuid] = pynvml.nvmlDeviceGetHandleByUUID(uuid)
-        except pynvml.NVMLError as error:
-            log.warning("NVML cannot read %s (%s): steps are recorded without its clock", uuid, error)
-            _handles[uuid] = None
-    handle = _handles[uuid]
-    if handle is None:
+        handle = _handles[uuid]
+        if handle is None:
+            return None
+        return ClockReading(sm_clock_mhz=float(pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM)),
+                            held_by=held_by(pynvml.nvmlDeviceGetCurrentClocksEventReasons(handle)))
+    except pynvml.NVMLError as error:
+        log.warning("NVML cannot read %s (%s): steps are recorded without its clock", uuid, error)
+        _handles[uuid] = None
         return None
-    return ClockReading(sm_clock_mhz=float(pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM)),
-                        held_by=held_by(pynvml.nvmlDeviceGetCurrentClocksEventReasons(handle)))
