@@ -73,7 +73,6 @@ def summarize(request: BurstRequest, result: BurstResult, min_warmup: int) -> di
     return summary
 
 
-
 def gpu_clock_summary(steps: Iterable[tuple[float | None, Sequence[str]]]) -> dict[str, Any] | None:
     """Of steps' (SM clock, what held it down): the mean clock and the share of steps whose clock
     power or heat held down (NVML's reasons), with those reasons; ``None`` where no step read a

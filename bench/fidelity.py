@@ -93,8 +93,8 @@ def own_screen(row: RecordedBurst, screen_steps: int, warmup_steps: int, target:
     return {"screened": screened[0] if screened is not None else None, "screen_steps": steps,
             "steady": steady.mean, "steady_from_step": steady.warmup_steps,
             "relative_error": screened[0] / steady.mean - 1 if screened is not None else None,
-            "data_wait_share": {part: data_wait_share(row, steps) for part, steps in parts.items()},
-            "gpu_clock": {part: gpu_clock(row, steps) for part, steps in parts.items()}}
+            "data_wait_share": {part: data_wait_share(row, window) for part, window in parts.items()},
+            "gpu_clock": {part: gpu_clock(row, window) for part, window in parts.items()}}
 
 
 def share_within(errors: list[float | None], judged: int) -> float:

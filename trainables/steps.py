@@ -2,9 +2,10 @@
 rank's measures become the step's :class:`~autotune.core.contract.StepRecord` for the whole trial.
 
 A trainable times its own step and counts its batches (:class:`LocalMeasures`, :func:`count_batches`);
-:func:`finish_step` does the rest the same way for all of them, so a record means the same thing whichever trainable made it:
-times from the slowest rank, counts summed over ranks, the peak of the fullest rank, the lowest GPU
-clock (:mod:`trainables.gpu_clock`), the loss averaged over the ranks that compute one, and rank 0's reporter deciding whether every rank stops.
+:func:`finish_step` does the rest the same way for all of them, so a record means the same thing
+whichever trainable made it: times from the slowest rank, counts summed over ranks, the peak of the
+fullest rank, the lowest GPU clock (:mod:`trainables.gpu_clock`), the loss averaged over the ranks
+that compute one, and rank 0's reporter deciding whether every rank stops.
 """
 
 from __future__ import annotations
