@@ -22,6 +22,11 @@ BRING_UP = "bring-up"
 """The warm start every gain is quoted against (the seed's FSDP-first starting point)."""
 
 
+def is_bring_up(run: Launch | TrialEntry) -> bool:
+    """Whether ``run`` is the space's ``bring-up`` warm start."""
+    return run.origin == "warm_start" and run.warm_start == BRING_UP
+
+
 def promotion_runs(entries: list[TrialEntry], space: str) -> Counter[Config]:
     """How many promotion runs each config of ``space`` has had (one that lost its node or never
     started does not count: it is run again)."""
@@ -52,8 +57,8 @@ def promotion_candidates(entries: list[TrialEntry], top_k: int, space: str, marg
             break
         if entry.estimate.ci_high >= screened[0].estimate.ci_low * (1 - margin):
             chosen.append(entry)
-    bring_up = next((e for e in entries if e.launched and e.stage == "screen" and e.origin == "warm_start"
-                     and e.warm_start == BRING_UP and e.outcome in ("ok", "pruned")), None)
+    bring_up = next((e for e in entries if e.launched and e.stage == "screen" and is_bring_up(e)
+                     and e.outcome in ("ok", "pruned")), None)
     if bring_up is not None and bring_up.config not in {entry.config for entry in chosen}:
         chosen.append(bring_up)
     return [Launch(stage="promote", space=space, config=entry.config, origin="promotion",
@@ -76,7 +81,7 @@ def early_promotion(entries: list[TrialEntry], space: str, margin: float) -> Lau
     if not screened:
         return None
     best = max(screened, key=lambda e: e.objective)
-    if screens[-1] is best or (best.origin == "warm_start" and best.warm_start == BRING_UP):
+    if screens[-1] is best or is_bring_up(best):
         return None
     promoted = promotion_runs(entries, space)
     if best.config in promoted:

@@ -27,7 +27,7 @@ from ray.tune.search import Searcher
 from autotune.campaign import Campaign
 from autotune.engine.ledger import Ledger
 from autotune.engine.placement import DomainPlanner
-from autotune.engine.promotion import BRING_UP, early_promotion
+from autotune.engine.promotion import early_promotion, is_bring_up
 from autotune.engine.records import RERUN_CAUSES, Launch, TrialEntry
 from autotune.engine.trial import step_objective
 from autotune.search.history import Proposal
@@ -271,7 +271,7 @@ class ScreeningScheduler(_DriverOnly, FIFOScheduler):
             min_warmup=self.stages.warmup_steps,
             target_relative_half_width=self.stages.target_relative_half_width,
             prune_margin=self.stages.prune_margin,
-            baseline=live.launch.origin == "warm_start" and live.launch.warm_start == BRING_UP,
+            baseline=is_bring_up(live.launch),
         )
         if decision.action == "continue":
             return TrialScheduler.CONTINUE

@@ -61,10 +61,10 @@ def screen(
     threshold = best.ci_low * (1 - prune_margin) if best is not None else None
     if estimate is None:
         after_warmup = tokens_per_second[min_warmup:]
-        fastest = max(after_warmup, default=0.0)
         if len(after_warmup) < CLEAR_LOSER_STEPS:
             return ScreenDecision("continue", None, "warming up")
         partial = steady_state(tokens_per_second, min_warmup=min_warmup, min_window=len(after_warmup))
+        fastest = max(after_warmup)
         if threshold is not None and fastest < threshold / 2:
             return ScreenDecision(
                 "prune", partial,
