@@ -253,9 +253,11 @@ def test_a_baselines_screen_stops_two_steps_after_its_warm_up_with_its_partial_e
     assert decision.action == "stop" and "promotion" in decision.reason
     assert decision.estimate is not None and decision.estimate.window == 2 and decision.estimate.mean == 405.0
     assert screen(series[:4], best=None, min_warmup=2).action == "continue"  # any other config waits for its window
-    # A baseline far below the best is still pruned, not stopped as if it ran ok.
+    # A baseline far below the best stops just the same: its promotion runs whatever its screen says,
+    # so a prune would only mislabel it (a faster warm start finishing first must not decide its outcome).
     best = steady_state([1000.0, 1002.0, 998.0, 1001.0, 999.0, 1000.0, 1001.0, 999.0], min_warmup=2)
-    assert screen(series[:4], best=best, min_warmup=2, baseline=True).action == "prune"
+    assert screen(series[:4], best=best, min_warmup=2, baseline=True).action == "stop"
+    assert screen(series[:4], best=best, min_warmup=2).action == "prune"
 
 
 def test_an_exhausted_space_ends_the_search_and_each_rejection_is_recorded_once(tmp_path: Path) -> None:

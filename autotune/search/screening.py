@@ -14,8 +14,8 @@ speed it would need. A config near the best is pruned this way only if its first
 warm-up all ran at under half its steady speed: slowness the warm-up is there to absorb.
 
 A baseline (bring-up, whose long run every gain is quoted against) stops as soon, with that same
-partial estimate: promotion runs it for ``promote_steps`` whatever its screen says, so its screen
-only has to show that the model runs and give the search a first incumbent. Bring-up is the
+partial estimate, and is never pruned: promotion runs it for ``promote_steps`` whatever its screen
+says, so its screen only has to show that the model runs and give the search a first incumbent. Bring-up is the
 slowest config a campaign runs on purpose (the seed's FSDP-first start, full recompute): its full
 screen was 66 device-s of the H100 TE table's 833 (0.08 of the grid) and 127 s of the H200 TE
 campaign's screening.
@@ -64,6 +64,8 @@ def screen(
         if len(after_warmup) < CLEAR_LOSER_STEPS:
             return ScreenDecision("continue", None, "warming up")
         partial = steady_state(tokens_per_second, min_warmup=min_warmup, min_window=len(after_warmup))
+        if baseline:  # never pruned: its promotion runs whatever its screen says
+            return ScreenDecision("stop", partial, "the baseline runs; its promotion measures it")
         fastest = max(after_warmup)
         if threshold is not None and fastest < threshold / 2:
             return ScreenDecision(
@@ -71,8 +73,6 @@ def screen(
                 f"its fastest step after the warm-up, {fastest:.0f}, is under half of {threshold:.0f}, "
                 f"the best's lower bound less {100 * prune_margin:.0f}%",
             )
-        if baseline:
-            return ScreenDecision("stop", partial, "the baseline runs; its promotion measures it")
         return ScreenDecision("continue", None, "warming up")
     if threshold is not None and estimate.window >= min_window and estimate.ci_high < threshold:
         return ScreenDecision(
