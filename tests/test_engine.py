@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from autotune.core.contract import Evidence
+from autotune.core.contract import Contract, Evidence, WorkerPlacement
 from autotune.core.knobs import KNOBS, complete_config
 from autotune.core.steady import SteadyEstimate
 from autotune.engine.promotion import (
-    decide, early_promotion, gain_at_equal_fidelity, projected_headroom, promotion_candidates,
+    decide, early_promotion, gain_at_equal_fidelity, projected_headroom, promotion_candidates, promotion_nodes,
 )
 from autotune.engine.records import TrialEntry
 from autotune.engine.rundir import RunDir
@@ -225,6 +225,9 @@ def test_promotion_runs_fifty_steps_and_the_verdict_reads_the_intervals(campaign
     # its screen only showed that it runs: stopped two steps after its warm-up (1 step here)
     assert bring_up.outcome == "ok" and bring_up.steps == 1 + 2 and "its promotion measures it" in bring_up.reason
     assert len(promoted) == 3 and all(e.steps == 50 and e.outcome == "ok" for e in promoted)
+    # each run's contract says where its two ranks ran; the promotion runs ran where the first did
+    assert all(len(e.contract.workers) == 2 for e in entries(run_dir) if e.launched and e.steps)
+    assert len({tuple(w.node_id for w in e.contract.workers) for e in promoted}) == 1
     assert all(all(e.evidence.checks.values()) for e in promoted)
     assert {e.promoted_from for e in promoted} <= {e.trial_id for e in entries(run_dir) if e.stage == "screen"}
     everything = [e for e in entries(run_dir) if e.stage == "promote"]  # both spaces: one verdict
@@ -392,6 +395,39 @@ def test_early_promotion_takes_the_best_once_a_later_screen_failed_to_beat_it_an
     assert early_promotion(records[:3] + [lost], "s", margin=0.02).promoted_from == "a"
 
 
+def placed(trial_id: str, stage: str, objective: float | None, nodes: list[str], gpus: list[str | None] | None = None,
+           trainable: str = "native", **fields) -> TrialEntry:
+    """An entry whose ranks ran on ``nodes`` (and ``gpus``), as its contract says."""
+    workers = tuple(WorkerPlacement(node_id=node, nvlink_domain=None, accelerator_id=gpu)
+                    for node, gpu in zip(nodes, gpus or [None] * len(nodes)))
+    return entry(trial_id, stage, objective, contract=Contract(trainable=trainable, workers=workers), steps=50, **fields)
+
+
+def test_promotion_runs_go_where_the_first_went_and_the_verdict_says_when_runs_ran_apart() -> None:
+    alive = {"n1", "n2", "n3", "n4"}
+    screen = placed("a", "screen", 10.0, ["n2", "n3"], micro_batch_size=2)
+    assert promotion_nodes([screen], 2, alive) is None  # a screen sets nothing
+    lost = entry("p0", "promote", None, outcome="failed", micro_batch_size=2, cause="node_lost")  # never said where
+    first = placed("p1", "promote", 10.0, ["n1", "n1"], micro_batch_size=2)
+    later = placed("p2", "promote", 5.0, ["n4", "n4"], micro_batch_size=4)
+    assert promotion_nodes([screen, lost, first, later], 2, alive) == ("n1", "n1")
+    assert promotion_nodes([screen, lost, first, later], 2, alive - {"n1"}) == ("n4", "n4")  # n1 was lost
+    assert promotion_nodes([screen, first], 4, alive) is None  # a space of another world size
+
+    together = decide([first, placed("p3", "promote", 5.0, ["n1", "n1"], micro_batch_size=4)])
+    assert together.placements == 1 and "machines" not in together.summary
+    apart = decide([first, later])
+    assert apart.placements == 2 and together.winner.trial_id == apart.winner.trial_id == "p1"
+    assert apart.summary.endswith("its runs ran on 2 different sets of nodes and devices, so the machines' "
+                                  "differences are in its gaps")
+    # one node, other GPUs: other devices
+    assert decide([placed("g0", "promote", 10.0, ["n1"], ["0"], micro_batch_size=2),
+                   placed("g1", "promote", 5.0, ["n1"], ["1"], micro_batch_size=4)]).placements == 2
+    # a replay ran here what was measured elsewhere: nothing to say
+    assert decide([placed("r0", "promote", 10.0, ["n1"], trainable="replay", micro_batch_size=2),
+                   placed("r1", "promote", 5.0, ["n2"], trainable="replay", micro_batch_size=4)]).placements is None
+
+
 def test_gain_over_bring_up_is_quoted_between_runs_of_equal_length_with_its_interval() -> None:
     winner = entry("w", "promote", 30.0, ci=1.0, micro_batch_size=4)
     base = entry("b", "promote", 10.0, ci=0.5, micro_batch_size=1)
@@ -420,10 +456,12 @@ def test_a_promotion_run_that_does_not_finish_ok_drops_its_configs_later_runs() 
     from autotune.engine.tune_roles import ListSearcher
 
     class Ledger:
-        """What the searcher asks of the ledger: a trial starts, and ends as its entry says."""
+        """What the searcher asks of the ledger: a trial starts, and ends as its entry says; the
+        entries so far (where promotion runs went: these said nowhere)."""
 
         def __init__(self) -> None:
             self.ends: dict[str, TrialEntry] = {}
+            self.entries: list[TrialEntry] = []
 
         def start(self, trial_id: str, launch: Launch) -> None:
             self.ends[trial_id] = entry(trial_id, "promote", 10.0 if launch.config.micro_batch_size == 1 else None,

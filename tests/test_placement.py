@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import ray
 import yaml
+from ray import tune
 from rich.console import Console
 
 from autotune.campaign import load_campaign
@@ -120,6 +121,50 @@ def replayed_campaign(path: Path, world_size: int, stack: dict, fixed: dict, bat
     with LiveView(Console(file=StringIO()), campaign.space, campaign.spec.objective) as view:
         run_campaign(campaign, run_dir, view)
     return [entry for entry in run_dir.trials.read() if entry.launched]
+
+
+def test_a_local_promotion_run_pinned_to_a_node_runs_there(tmp_path: Path) -> None:
+    """Unpinned, Tune spreads these trials over both nodes (seen: 2 trials, one on each); pinned to
+    either node, every one runs there (a promotion run goes where the campaign's first one went)."""
+    from autotune.core.registry import REPLAY
+    from autotune.engine.trial import TrialJob
+
+    cluster = multi_node_cluster(num_cpus=1)
+    cluster.add_node(num_cpus=1)
+    join_cluster(cluster.address)
+    try:
+        campaign = load_campaign(campaign_file(tmp_path, max_trials=1))
+        job = TrialJob(trainable=REPLAY, request=campaign.burst_request(complete_config({}), 8), launcher="local",
+                       objective=campaign.spec.objective, use_gpu=False, storage_path=str(tmp_path / "train"),
+                       data_source=campaign.spec.data.source)
+
+        def where_it_ran(config: dict) -> None:  # nested: pickled by value, as the workers cannot import tests
+            tune.report({"node": ray.get_runtime_context().get_node_id()})
+
+        def nodes(params: dict, trials: int) -> list[str]:
+            tuner = tune.Tuner(tune.with_resources(where_it_ran, job.resources),
+                               param_space=params, tune_config=tune.TuneConfig(num_samples=trials),
+                               run_config=tune.RunConfig(storage_path=str(tmp_path / "tune"), verbose=0))
+            return [result.metrics["node"] for result in tuner.fit()]
+
+        for node_id in sorted(node["NodeID"] for node in ray.nodes()):
+            assert nodes({"nodes": [node_id]}, 4) == [node_id] * 4
+        # a Ray Train worker group is pinned worker by worker instead
+        assert label_selectors(["rack-a", "rack-a"], NVLINK_DOMAIN_LABEL, ["n1", "n2"]) == \
+            [{NODE_LABEL: "n1"}, {NODE_LABEL: "n2"}]
+        assert len(job.resources({"nodes": ["n1"]}).bundles) == 1
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def test_a_promotion_run_holds_the_domains_of_its_nodes() -> None:
+    planner = DomainPlanner.from_nodes([{"NodeID": "n1", **node("a")}, {"NodeID": "n2", **node("b")},
+                                        {"NodeID": "n3", **node(None)}])
+    assert planner.hold("p", ("n2", "n1")) == ["b", "a"] and planner.free() == {"a": 3, "b": 3}
+    assert planner.hold("q", ("n3",)) is None  # no domain: Ray's label on the node is what pins it
+    planner.release("p")
+    assert planner.free() == {"a": 4, "b": 4}
 
 
 def test_trials_workers_land_inside_one_nvlink_domain(tmp_path: Path, racks) -> None:

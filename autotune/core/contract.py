@@ -274,8 +274,13 @@ class SteadyWindow(_Record):
 
 
 class WorkerPlacement(_Record):
+    """Where one rank ran: its Ray node, that node's NVLink domain label, and the accelerator Ray
+    gave it (``None`` on the CPU). Long runs of one config differed 13–47 % between H100s
+    (``bench/results/fidelity_h100_te_grid.json``): runs compare fairly only where they ran alike."""
+
     node_id: str
     nvlink_domain: str | None
+    accelerator_id: str | None = None
 
 
 class Contract(_Record):
@@ -306,7 +311,7 @@ class Contract(_Record):
     recorded: dict[str, Any] | None = None
     """A replay's recorded contract, as the table holds it."""
     workers: tuple[WorkerPlacement, ...] | None = None
-    """Where each rank ran (Ray Train worker groups)."""
+    """Where each rank ran, rank by rank."""
     recipe: str | None = None
     """The Megatron-Bridge recipe a ``bridge`` burst ran."""
     recipe_overrides: tuple[str, ...] | None = None

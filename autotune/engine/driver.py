@@ -271,9 +271,11 @@ def _run_stage(stage: Stage, job: TrialJob, run_dir: RunDir, view: LiveView, *,
     # charged what a burst in the ranks the slot kept paid (trainables/replay/burst.py), as a
     # campaign's trial after a healthy one runs in the ranks its node's zygote kept.
     reuse = job.warm_ranks is not None or (job.trainable == REPLAY and job.launcher == "local")
-    search_alg = ConcurrencyLimiter(searcher, max_concurrent=_concurrency(job))
+    # Promotion runs one at a time, on the nodes its first run took (``promotion_nodes``): the
+    # verdict's runs then differ by their configs, not by their machines or their neighbours.
+    search_alg = ConcurrencyLimiter(searcher, max_concurrent=1 if stage == "promote" else _concurrency(job))
     tuner = tune.Tuner(
-        tune.with_resources(tune.with_parameters(run_trial, job=job), job.trial_resources()),
+        tune.with_resources(tune.with_parameters(run_trial, job=job), job.resources),
         tune_config=tune.TuneConfig(
             search_alg=search_alg,
             scheduler=scheduler,

@@ -49,22 +49,36 @@ class DomainPlanner:
     """The node label whose values are the domains (:func:`domain_label`)."""
     held: dict[str, list[str]] = field(default_factory=dict)
     """Trial id → each worker's domain."""
+    node_domains: dict[str, str] = field(default_factory=dict)
+    """Node id → its domain, for the alive labelled GPU nodes."""
 
     @classmethod
     def from_nodes(cls, nodes: list[dict], label: str = NVLINK_DOMAIN_LABEL) -> "DomainPlanner":
         """From ``ray.nodes()``: alive nodes with GPUs and the domain label."""
         capacity: dict[str, int] = {}
+        node_domains: dict[str, str] = {}
         for node in nodes:
             domain = (node.get("Labels") or {}).get(label)
             gpus = int((node.get("Resources") or {}).get("GPU", 0))
             if node.get("Alive") and domain and gpus:
                 capacity[domain] = capacity.get(domain, 0) + gpus
-        return cls(capacity, label)
+                if node.get("NodeID"):
+                    node_domains[node["NodeID"]] = domain
+        return cls(capacity, label, node_domains=node_domains)
 
     def observe(self, nodes: list[dict]) -> None:
         """Re-read which nodes are alive: a node lost overnight takes its GPUs out of its domain
         (its trial's retry must not wait for them)."""
-        self.capacity = DomainPlanner.from_nodes(nodes, self.label).capacity
+        observed = DomainPlanner.from_nodes(nodes, self.label)
+        self.capacity, self.node_domains = observed.capacity, observed.node_domains
+
+    def hold(self, trial_id: str, nodes: tuple[str, ...]) -> list[str] | None:
+        """Each worker's domain for a trial whose workers go to ``nodes`` (held until
+        :meth:`release`), or ``None`` where a node has no domain."""
+        if not all(node in self.node_domains for node in nodes):
+            return None
+        self.held[trial_id] = [self.node_domains[node] for node in nodes]
+        return self.held[trial_id]
 
     def free(self) -> dict[str, int]:
         used: dict[str, int] = {}
@@ -96,6 +110,9 @@ class DomainPlanner:
         self.held.pop(trial_id, None)
 
 
-def label_selectors(plan: list[str] | None, label: str) -> list[dict[str, str]] | None:
-    """Ray Train's per-worker ``label_selector`` for a plan of ``label``'s values."""
+def label_selectors(plan: list[str] | None, label: str, nodes: list[str] | None = None) -> list[dict[str, str]] | None:
+    """Ray Train's per-worker ``label_selector`` for a plan of ``label``'s values, or for workers
+    that must go to ``nodes`` (a promotion run: each worker to its node, which is in its domain)."""
+    if nodes is not None:
+        return [{NODE_LABEL: node} for node in nodes]
     return None if plan is None else [{label: domain} for domain in plan]

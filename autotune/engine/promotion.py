@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from pydantic import BaseModel, ConfigDict
 
 from autotune.core.knobs import Config, ConfigField
+from autotune.core.registry import REPLAY
 from autotune.core.steady import ProcessSpread, SteadyEstimate, over_processes, process_spread
 from autotune.engine.records import RERUN_CAUSES, EntryOutcome, Launch, TrialEntry
 
@@ -90,6 +91,34 @@ def early_promotion(entries: list[TrialEntry], space: str, margin: float) -> Lau
     if bar is not None and best.objective <= bar * (1 + margin):
         return None
     return Launch(stage="promote", space=space, config=best.config, origin="promotion", promoted_from=best.trial_id)
+
+
+def promotion_nodes(entries: list[TrialEntry], world_size: int, alive: set[str]) -> tuple[str, ...] | None:
+    """The nodes, rank by rank, of the campaign's first promotion run of ``world_size`` ranks that
+    said where its ranks ran, on nodes all still ``alive``; ``None`` before one has. Every later
+    promotion run goes there, one at a time: the verdict compares long runs a few percent apart, and
+    long runs of one config differed 13–47 % between H100s (``bench/results/fidelity_h100_te_grid.json``),
+    so runs spread over machines would rank the machines. Where a node is lost (or a resumed
+    campaign runs on a new cluster), the first run on live nodes sets where the rest go."""
+    for entry in entries:
+        workers = entry.contract.workers if entry.contract is not None else None
+        if entry.stage == "promote" and entry.launched and workers and len(workers) == world_size:
+            nodes = tuple(worker.node_id for worker in workers)
+            if alive.issuperset(nodes):
+                return nodes
+    return None
+
+
+def placements(runs: list[TrialEntry]) -> int | None:
+    """How many different placements (each rank's node and accelerator) ``runs`` ran on; ``None``
+    where a run did not say, or replayed a recorded burst (it ran here, its measurement elsewhere)."""
+    seen = set()
+    for run in runs:
+        contract = run.contract
+        if contract is None or not contract.workers or contract.trainable == REPLAY:
+            return None
+        seen.add(tuple((worker.node_id, worker.accelerator_id) for worker in contract.workers))
+    return len(seen) or None
 
 
 def over_fresh_processes(promoted: list[TrialEntry]) -> tuple[list[TrialEntry], ProcessSpread | None]:
@@ -192,12 +221,18 @@ class Verdict:
     """One entry per promoted config (:func:`over_fresh_processes`), as the verdict weighed them."""
     spread: ProcessSpread | None = None
     """The spread between fresh processes of one config, where a config ran more than once."""
+    placements: int | None = None
+    """How many different placements the promotion runs ran on (:func:`placements`)."""
 
 
 def decide(promoted_runs: list[TrialEntry]) -> Verdict:
     """The winner among promoted configs (each over its runs in fresh processes), the configs tied
     with it, and those ruled out (and why)."""
     promoted, spread = over_fresh_processes(promoted_runs)
+    placed = placements([e for e in promoted_runs if e.cause not in RERUN_CAUSES and e.steps])
+    # Said where it bears on the verdict: machines differ by more than its gaps.
+    elsewhere = (f"; its runs ran on {placed} different sets of nodes and devices, so the machines' differences "
+                 f"are in its gaps" if placed is not None and placed > 1 else "")
     eligible, disqualified = [], []
     for entry in promoted:
         if entry.outcome != "ok" or entry.estimate is None:
@@ -209,7 +244,7 @@ def decide(promoted_runs: list[TrialEntry]) -> Verdict:
         else:
             eligible.append(entry)
     if not eligible:
-        return Verdict(None, [], disqualified, "no promoted config is eligible to win", promoted, spread)
+        return Verdict(None, [], disqualified, "no promoted config is eligible to win", promoted, spread, placed)
     eligible.sort(key=lambda e: -e.objective)
     winner, others = eligible[0], eligible[1:]
     tied = [e for e in others if e.estimate.ci_high >= winner.estimate.ci_low]
@@ -221,7 +256,7 @@ def decide(promoted_runs: list[TrialEntry]) -> Verdict:
         runner_up = others[0]
         gain = winner.objective / runner_up.objective - 1 if runner_up.objective else float("inf")
         summary = f"beats every other promoted config beyond their intervals (+{100 * gain:.1f}% over the next)"
-    return Verdict(winner, tied, disqualified, summary, promoted, spread)
+    return Verdict(winner, tied, disqualified, summary + elsewhere, promoted, spread, placed)
 
 
 class LeaderboardRow(BaseModel):

@@ -10,11 +10,14 @@ so the burst's ranks end cleanly and the driver already holds everything the tri
 Ranks start one of two ways (the campaign's ``hardware.launcher``):
 
 - ``local``: the trainable's local launcher spawns the ranks on the trial's node (gloo on the
-  CPU, NCCL on GPUs); the trial holds all of their CPU/GPU slots.
+  CPU, NCCL on GPUs); the trial holds all of their CPU/GPU slots, on the node the searcher pinned
+  it to (``nodes``: a promotion run's) through its placement group's label selector.
 - ``ray_train``: a ``TorchTrainer`` worker group, one worker per rank, on any nodes; Ray Train sets
   up ``torch.distributed`` and Tune receives rank 0's reports through ``TuneReportCallback``. The
-  searcher's ``placement`` (each worker's NVLink domain, :mod:`autotune.engine.placement`) becomes
-  the workers' label selectors, and the contract records where each rank ran.
+  searcher's ``placement`` (each worker's NVLink domain, :mod:`autotune.engine.placement`), or its
+  ``nodes``, becomes the workers' label selectors.
+
+Either way the contract records where each rank ran (``workers``).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Any, Literal
 import ray
 from pydantic import BaseModel, ConfigDict
 from ray import tune
+from ray.tune import PlacementGroupFactory
 
 from autotune.bursts import data_folder
 from autotune.core.contract import (
@@ -36,7 +40,7 @@ from autotune.core.contract import (
 from autotune.core.fabric import FabricRefused, placed_environment, planned_environment
 from autotune.core.knobs import complete_config
 from autotune.core.registry import REPLAY, burst_runner, rank_runner
-from autotune.engine.placement import NVLINK_DOMAIN_LABEL, domain_label, label_selectors
+from autotune.engine.placement import NODE_LABEL, NVLINK_DOMAIN_LABEL, domain_label, label_selectors
 from autotune.engine.warm_ranks import zygote_address
 
 
@@ -95,6 +99,14 @@ class TrialJob:
             return request
         folder = data_folder(self.data_source, self.request.data.folder, Path.cwd())
         return replace(request, data=replace(self.request.data, folder=str(folder)))
+
+    def resources(self, params: dict[str, Any]) -> PlacementGroupFactory:
+        """What Tune reserves for the trial's own process, on the node the searcher pinned a
+        ``local`` trial to (``nodes``; a ``ray_train`` trial's workers are pinned instead)."""
+        nodes = params.get("nodes")
+        if nodes and self.launcher == "local":
+            return PlacementGroupFactory([self.trial_resources()], bundle_label_selector=[{NODE_LABEL: nodes[0]}])
+        return PlacementGroupFactory([self.trial_resources()])
 
     def trial_resources(self) -> dict[str, float]:
         """What Tune reserves for the trial's own process."""
@@ -210,15 +222,18 @@ def step_objective(result: dict[str, Any]) -> float | None:
 
 
 class _TuneReporter:
-    """Reports each step to Tune; a ``SystemExit`` from Tune (the scheduler stopped the trial)
-    becomes "stop after this step"."""
+    """Reports each step to Tune, its contract told where the ranks run; a ``SystemExit`` from
+    Tune (the scheduler stopped the trial) becomes "stop after this step"."""
 
-    def __init__(self, job: TrialJob, began_at: float) -> None:
+    def __init__(self, job: TrialJob, began_at: float, workers: tuple[WorkerPlacement, ...]) -> None:
         self.job = job
         self.began_at = began_at
+        self.workers = workers
         self.stopped = False
 
     def __call__(self, report: StepReport) -> bool:
+        if report.contract is not None:
+            report = replace(report, contract=report.contract.model_copy(update={"workers": self.workers}))
         try:
             tune.report(step_result(report, self.job.objective, self.job.request.world_size, self.began_at))
         except SystemExit:
@@ -235,17 +250,19 @@ def run_trial(params: dict[str, Any], job: TrialJob) -> None:
     except FabricRefused as exc:  # before any rank starts: it cost nothing
         tune.report(end_result(BurstResult(outcome="invalid", error=str(exc))))
         return
-    reporter = _TuneReporter(job, began_at)
     os.environ["TUNE_FUNCTION_THREAD_TIMEOUT_S"] = str(REUSE_WAIT_S)  # read when Tune reuses this process
     if job.launcher == "local":
-        warm = None if job.warm_ranks is None else zygote_address(job.warm_ranks,
-                                                                   ray.get_runtime_context().get_node_id())
+        context = ray.get_runtime_context()
+        reporter = _TuneReporter(job, began_at, _placements(context, request.world_size))
+        warm = None if job.warm_ranks is None else zygote_address(job.warm_ranks, context.get_node_id())
         result = burst_runner(job.trainable, warm)(request, reporter)
         if reporter.stopped:
             # Tune stopped the trial: end the thread as Tune's own report would have. Returning would
             # make Tune's wrapper report once more, and that report would wait forever in a process
             # Tune keeps for the next trial.
             raise SystemExit(0)
+        if result.contract is not None:
+            result = replace(result, contract=result.contract.model_copy(update={"workers": reporter.workers}))
         tune.report(end_result(result))
         return
     _run_on_ray_train(job, request, params, began_at)
@@ -262,7 +279,8 @@ def _run_on_ray_train(job: TrialJob, request: BurstRequest, params: dict[str, An
         train_loop_config={"job": job, "request": request, "trial_began_at": began_at},
         scaling_config=ScalingConfig(
             num_workers=request.world_size, use_gpu=job.use_gpu, resources_per_worker=job.worker_resources(),
-            label_selector=label_selectors(params.get("placement"), domain_label(job.accelerator, job.imex_channel)),
+            label_selector=label_selectors(params.get("placement"), domain_label(job.accelerator, job.imex_channel),
+                                           params.get("nodes")),
         ),
         # A replay does no GPU work: its ranks talk over gloo wherever they are.
         torch_config=TorchConfig(backend="nccl" if job.use_gpu and job.trainable != REPLAY else "gloo",
@@ -336,7 +354,16 @@ def _misplaced(job: TrialJob, request: BurstRequest, workers: list[WorkerPlaceme
 
 
 def _where_this_runs(context: Any) -> WorkerPlacement:
-    """This worker's node and NVLink domain (``None`` on a node without the label)."""
+    """This worker's node, NVLink domain (``None`` on a node without the label) and GPU."""
+    return _placements(context, 1)[0]
+
+
+def _placements(context: Any, ranks: int) -> tuple[WorkerPlacement, ...]:
+    """Where each of ``ranks`` ranks started from this process runs: this process's node and
+    domain, and its GPUs in order (the local launcher gives rank ``i`` the ``i``-th of them)."""
     domain = context.get_node_labels().get(NVLINK_DOMAIN_LABEL)
-    return WorkerPlacement(node_id=context.get_node_id(),
-                           nvlink_domain=domain[0] if isinstance(domain, list) else domain)
+    gpus = context.get_accelerator_ids().get("GPU") or []
+    return tuple(WorkerPlacement(node_id=context.get_node_id(),
+                                 nvlink_domain=domain[0] if isinstance(domain, list) else domain,
+                                 accelerator_id=str(gpus[rank]) if rank < len(gpus) else None)
+                 for rank in range(ranks))

@@ -27,7 +27,7 @@ from ray.tune.search import Searcher
 from autotune.campaign import Campaign
 from autotune.engine.ledger import Ledger
 from autotune.engine.placement import DomainPlanner
-from autotune.engine.promotion import early_promotion, is_bring_up
+from autotune.engine.promotion import early_promotion, is_bring_up, promotion_nodes
 from autotune.engine.records import RERUN_CAUSES, Launch, TrialEntry
 from autotune.engine.trial import step_objective
 from autotune.search.history import Proposal
@@ -127,8 +127,10 @@ class EarlyPromotion:
 class _StageSearcher(_DriverOnly, Searcher):
     """What both stages' searchers share: each suggestion says where the trial's workers go
     (``placement``: each worker's NVLink domain, or ``None``), holding those GPUs until the trial
-    completes; a trial that lost its node (the cluster failed, not the config) runs once more, and
-    only how the retry ended counts."""
+    completes, and for a promotion run, which node each rank must run on (``nodes``: those of the
+    campaign's first promotion run on live nodes, :func:`~autotune.engine.promotion.promotion_nodes`);
+    a trial that lost its node (the cluster failed, not the config) runs once more,
+    and only how the retry ended counts."""
 
     def __init__(self, ledger: Ledger, steps: int, planner: DomainPlanner | None, workers: int) -> None:
         super().__init__()
@@ -140,13 +142,20 @@ class _StageSearcher(_DriverOnly, Searcher):
     def _launch(self, trial_id: str, launch: Launch, steps: int | None = None) -> dict[str, Any]:
         self.running[trial_id] = launch
         self.ledger.start(trial_id, launch)
+        nodes = self._promotion_nodes() if launch.stage == "promote" else None
         placement = None
         if self.planner is not None:
             self.planner.observe(ray.nodes())
-            placement = self.planner.place(trial_id, self.workers)
+            placement = self.planner.hold(trial_id, nodes) if nodes else self.planner.place(trial_id, self.workers)
         # A promotion run starts new rank processes, as the user's launch will (screens may run in kept ones).
         return {"config": launch.config.to_plain(), "steps": steps or self.steps, "placement": placement,
-                "new_rank_processes": launch.stage == "promote"}
+                "nodes": None if nodes is None else list(nodes), "new_rank_processes": launch.stage == "promote"}
+
+    def _promotion_nodes(self) -> tuple[str, ...] | None:
+        if not any(entry.stage == "promote" for entry in self.ledger.entries):
+            return None  # the first goes where Ray puts it
+        return promotion_nodes(self.ledger.entries, self.workers,
+                               {node["NodeID"] for node in ray.nodes() if node.get("Alive")})
 
     def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
         if self.planner is not None:
