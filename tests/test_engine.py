@@ -307,8 +307,10 @@ def test_an_oom_is_recorded_once_and_configs_that_need_more_memory_never_launch(
 
 def test_resume_after_sigkill_keeps_every_finished_trial(tmp_path, cache_env) -> None:
     path = campaign_file(tmp_path, max_trials=2)
-    driver = subprocess.Popen([sys.executable, "-m", "autotune", "run", str(path)], cwd=ROOT, env=cache_env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    printed = tmp_path / "driver.log"  # what the driver said, should it end before the kill
+    with printed.open("w") as log:
+        driver = subprocess.Popen([sys.executable, "-m", "autotune", "run", str(path)], cwd=ROOT, env=cache_env,
+                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 300
     run_dir = None
     while time.monotonic() < deadline:
@@ -316,7 +318,7 @@ def test_resume_after_sigkill_keeps_every_finished_trial(tmp_path, cache_env) ->
         if runs and any(e.launched for e in RunDir(runs[0].parent).trials.read()):
             run_dir = runs[0].parent
             break
-        assert driver.poll() is None, "the campaign ended before it could be killed"
+        assert driver.poll() is None, f"the campaign ended before it could be killed:\n{printed.read_text()[-4000:]}"
         time.sleep(0.5)
     assert run_dir is not None, "no trial finished within 300 s"
     driver.send_signal(signal.SIGKILL)
@@ -404,15 +406,20 @@ def placed(trial_id: str, stage: str, objective: float | None, nodes: list[str],
 
 
 def test_promotion_runs_go_where_the_first_went_and_the_verdict_says_when_runs_ran_apart() -> None:
-    alive = {"n1", "n2", "n3", "n4"}
+    def alive() -> set[str]:
+        return {"n1", "n2", "n3", "n4"}
+
+    def never() -> set[str]:
+        raise AssertionError("the cluster is asked only once a promotion run said where it ran")
+
     screen = placed("a", "screen", 10.0, ["n2", "n3"], micro_batch_size=2)
-    assert promotion_nodes([screen], 2, alive) is None  # a screen sets nothing
     lost = entry("p0", "promote", None, outcome="failed", micro_batch_size=2, cause="node_lost")  # never said where
+    assert promotion_nodes([screen, lost], 2, never) is None  # a screen sets nothing
     first = placed("p1", "promote", 10.0, ["n1", "n1"], micro_batch_size=2)
     later = placed("p2", "promote", 5.0, ["n4", "n4"], micro_batch_size=4)
     assert promotion_nodes([screen, lost, first, later], 2, alive) == ("n1", "n1")
-    assert promotion_nodes([screen, lost, first, later], 2, alive - {"n1"}) == ("n4", "n4")  # n1 was lost
-    assert promotion_nodes([screen, first], 4, alive) is None  # a space of another world size
+    assert promotion_nodes([screen, lost, first, later], 2, lambda: alive() - {"n1"}) == ("n4", "n4")  # n1 lost
+    assert promotion_nodes([screen, first], 4, never) is None  # a space of another world size
 
     together = decide([first, placed("p3", "promote", 5.0, ["n1", "n1"], micro_batch_size=4)])
     assert together.placements == 1 and "machines" not in together.summary

@@ -10,6 +10,7 @@ from __future__ import annotations
 import statistics
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 from pydantic import BaseModel, ConfigDict
 
@@ -93,20 +94,20 @@ def early_promotion(entries: list[TrialEntry], space: str, margin: float) -> Lau
     return Launch(stage="promote", space=space, config=best.config, origin="promotion", promoted_from=best.trial_id)
 
 
-def promotion_nodes(entries: list[TrialEntry], world_size: int, alive: set[str]) -> tuple[str, ...] | None:
+def promotion_nodes(entries: list[TrialEntry], world_size: int,
+                    alive: Callable[[], set[str]]) -> tuple[str, ...] | None:
     """The nodes, rank by rank, of the campaign's first promotion run of ``world_size`` ranks that
-    said where its ranks ran, on nodes all still ``alive``; ``None`` before one has. Every later
+    said where its ranks ran, on nodes all still ``alive()`` (asked only once there is such a run);
+    ``None`` before one has. Every later
     promotion run goes there, one at a time: the verdict compares long runs a few percent apart, and
     long runs of one config differed 13–47 % between H100s (``bench/results/fidelity_h100_te_grid.json``),
     so runs spread over machines would rank the machines. Where a node is lost (or a resumed
     campaign runs on a new cluster), the first run on live nodes sets where the rest go."""
-    for entry in entries:
-        workers = entry.contract.workers if entry.contract is not None else None
-        if entry.stage == "promote" and entry.launched and workers and len(workers) == world_size:
-            nodes = tuple(worker.node_id for worker in workers)
-            if alive.issuperset(nodes):
-                return nodes
-    return None
+    placed = [tuple(worker.node_id for worker in entry.contract.workers) for entry in entries
+              if entry.stage == "promote" and entry.launched and entry.contract is not None
+              and entry.contract.workers and len(entry.contract.workers) == world_size]
+    live = alive() if placed else set()
+    return next((nodes for nodes in placed if live.issuperset(nodes)), None)
 
 
 def placements(runs: list[TrialEntry]) -> int | None:

@@ -152,10 +152,8 @@ class _StageSearcher(_DriverOnly, Searcher):
                 "nodes": None if nodes is None else list(nodes), "new_rank_processes": launch.stage == "promote"}
 
     def _promotion_nodes(self) -> tuple[str, ...] | None:
-        if not any(entry.stage == "promote" for entry in self.ledger.entries):
-            return None  # the first goes where Ray puts it
         return promotion_nodes(self.ledger.entries, self.workers,
-                               {node["NodeID"] for node in ray.nodes() if node.get("Alive")})
+                               lambda: {node["NodeID"] for node in ray.nodes() if node.get("Alive")})
 
     def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
         if self.planner is not None:
