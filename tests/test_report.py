@@ -178,6 +178,22 @@ def test_flags_say_what_a_reader_must_know(campaign_run, tmp_path) -> None:
     assert any(t.startswith("mock (image-free) data") for t in texts)
     assert any(t.startswith("promotion skipped") for t in texts)
 
+    # The same run, had its promotion runs and its screens landed on two nodes: the report says so.
+    spread = tmp_path / "spread"
+    shutil.copytree(run_dir, spread)
+    lines = [json.loads(line) for line in (spread / "trials.jsonl").read_text().splitlines()]
+    for index, line in enumerate(lines):
+        for worker in (line["contract"] or {}).get("workers") or []:
+            worker["node_id"] = f"node-{index % 2}"
+    (spread / "trials.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
+    (spread / "leaderboard.json").unlink()
+    spread_report = load_report(spread)
+    flagged = {f.severity: f.text for f in spread_report.flags if "nodes" in f.text}
+    assert spread_report.verdict.placements == 2 and "2 different sets of nodes and devices" in spread_report.verdict.summary
+    assert flagged["warning"].startswith("the promotion runs ran on 2 different sets of nodes and devices")
+    assert flagged["note"].startswith("the screens ran on 2 nodes")
+    assert not any("nodes" in f.text for f in report.flags)  # as it ran: one node
+
     # The same run, had the workload trained the ViT and let the search freeze it: the frozen winner
     # changes what is trained, and the report says so.
     tunable = tmp_path / "tunable"
@@ -245,7 +261,13 @@ def test_compare_refuses_different_workloads_and_ranks_the_same_one(campaign_run
     result = compare(load_report(run_dir), load_report(fsdp))
     assert result.comparable and result.ratio == pytest.approx(1.5)
     assert result.a.layout.startswith("3D") and result.b.layout.startswith("FSDP")
-    assert "1.500x" in result.verdict
+    assert "1.500x" in result.verdict and "different nodes" not in result.verdict  # one box, one node
+    elsewhere = [e | {"contract": e["contract"] and e["contract"] | {"workers": [
+        w | {"node_id": "another-node"} for w in e["contract"].get("workers") or []]}} for e in lines]
+    (fsdp / "trials.jsonl").write_text("".join(json.dumps(e) + "\n" for e in elsewhere))
+    moved = compare(load_report(run_dir), load_report(fsdp))
+    assert moved.ratio == pytest.approx(1.5) and "the two ran on different nodes" in moved.verdict
+    (fsdp / "trials.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
     printed = autotune("compare", str(run_dir), str(fsdp), "--json", env=cache_env, timeout=300)
     assert printed.returncode == 0, printed.stderr[-2000:]
     assert json.loads(printed.stdout)["ratio"] == pytest.approx(1.5)

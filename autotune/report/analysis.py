@@ -302,6 +302,15 @@ def _flags(report: RunReport, campaign) -> list[Flag]:
         flags.append(Flag("note", "each promoted config ran in one process: its interval says how well its steps pin "
                                   "that run's mean, not where another process of it lands "
                                   "(stages.promote_repeats ≥ 2 measures that and widens the intervals by it)"))
+    if report.verdict.placements is not None and report.verdict.placements > 1:
+        flags.append(Flag("warning", f"the promotion runs ran on {report.verdict.placements} different sets of nodes "
+                                     "and devices (a node lost, or other GPUs of the node): the verdict's gaps hold "
+                                     "the machines' differences, which reached 13–47 % between H100s"))
+    screened_on = {worker.node_id for e in report.launched("screen") if e.contract is not None
+                   and e.contract.trainable != "replay" for worker in e.contract.workers or ()}
+    if len(screened_on) > 1:
+        flags.append(Flag("note", f"the screens ran on {len(screened_on)} nodes: where machines differ, a screen's "
+                                  "place among the others holds its node's speed (promotion compares on one)"))
     if report.verdict.tied:
         flags.append(Flag("warning", f"tie: {len(report.verdict.tied)} promoted config(s) within the winner's "
                                      "interval; the ranking between them is noise"))

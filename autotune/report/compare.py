@@ -13,6 +13,7 @@ from typing import Any
 
 from autotune.core.contract import Shapes
 from autotune.core.knobs import Config
+from autotune.core.registry import REPLAY
 from autotune.report.analysis import RunReport
 
 
@@ -47,6 +48,9 @@ class Side:
     """Where the figure comes from: the verdict's winner, else the best screened trial."""
     workload: Workload
     shapes: Shapes | None
+    nodes: frozenset[str] | None = None
+    """The nodes the figure's run ran on, where its contract says (a replay's does not: it ran here
+    what was measured elsewhere)."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,8 @@ def side(report: RunReport) -> Side:
             data_realism=contract.data.realism if contract is not None and contract.data is not None else None,
             precision=contract.precision if contract is not None else None, objective=report.objective),
         shapes=contract.shapes if contract is not None else None,
+        nodes=frozenset(worker.node_id for worker in contract.workers)
+        if contract is not None and contract.workers and contract.trainable != REPLAY else None,
     )
 
 
@@ -112,4 +118,7 @@ def compare(a: RunReport, b: RunReport) -> Comparison:
     else:
         faster, slower = (b.campaign, a.campaign) if ratio > 1 else (a.campaign, b.campaign)
         verdict = f"{faster} is {max(ratio, 1 / ratio):.3f}x {slower} per device, beyond both intervals"
+    if None not in (left.nodes, right.nodes) and left.nodes != right.nodes:
+        verdict += ("; the two ran on different nodes, so the ratio holds the machines' differences too (long runs "
+                    "of one config differed 13–47 % between H100s)")
     return Comparison(left, right, True, [], ratio, verdict)
