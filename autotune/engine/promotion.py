@@ -98,11 +98,11 @@ def promotion_nodes(entries: list[TrialEntry], world_size: int,
                     alive: Callable[[], set[str]]) -> tuple[str, ...] | None:
     """The nodes, rank by rank, of the campaign's first promotion run of ``world_size`` ranks that
     said where its ranks ran, on nodes all still ``alive()`` (asked only once there is such a run);
-    ``None`` before one has. Every later
-    promotion run goes there, one at a time: the verdict compares long runs a few percent apart, and
-    long runs of one config differed 13–47 % between H100s (``bench/results/fidelity_h100_te_grid.json``),
-    so runs spread over machines would rank the machines. Where a node is lost (or a resumed
-    campaign runs on a new cluster), the first run on live nodes sets where the rest go."""
+    ``None`` before one has. Every later promotion run goes there, one at a time: the verdict
+    compares long runs a few percent apart, and long runs of one config differed 13–47 % between
+    H100s (``bench/results/fidelity_h100_te_grid.json``), so runs spread over machines would rank
+    the machines. Where a node is lost (or a resumed campaign runs on a new cluster), the first run
+    on live nodes sets where the rest go."""
     placed = [tuple(worker.node_id for worker in entry.contract.workers) for entry in entries
               if entry.stage == "promote" and entry.launched and entry.contract is not None
               and entry.contract.workers and len(entry.contract.workers) == world_size]
