@@ -398,11 +398,13 @@ def test_early_promotion_takes_the_best_once_a_later_screen_failed_to_beat_it_an
 
 
 def placed(trial_id: str, stage: str, objective: float | None, nodes: list[str], gpus: list[str | None] | None = None,
-           trainable: str = "native", **fields) -> TrialEntry:
-    """An entry whose ranks ran on ``nodes`` (and ``gpus``), as its contract says."""
+           replayed_from: str | None = None, **fields) -> TrialEntry:
+    """An entry whose ranks ran on ``nodes`` (and ``gpus``), as its contract says; a replay of
+    ``replayed_from`` where given."""
     workers = tuple(WorkerPlacement(node_id=node, nvlink_domain=None, accelerator_id=gpu)
                     for node, gpu in zip(nodes, gpus or [None] * len(nodes)))
-    return entry(trial_id, stage, objective, contract=Contract(trainable=trainable, workers=workers), steps=50, **fields)
+    contract = Contract(trainable="replay" if replayed_from else "native", replayed_from=replayed_from, workers=workers)
+    return entry(trial_id, stage, objective, contract=contract, steps=50, **fields)
 
 
 def test_promotion_runs_go_where_the_first_went_and_the_verdict_says_when_runs_ran_apart() -> None:
@@ -431,8 +433,8 @@ def test_promotion_runs_go_where_the_first_went_and_the_verdict_says_when_runs_r
     assert decide([placed("g0", "promote", 10.0, ["n1"], ["0"], micro_batch_size=2),
                    placed("g1", "promote", 5.0, ["n1"], ["1"], micro_batch_size=4)]).placements == 2
     # a replay ran here what was measured elsewhere: nothing to say
-    assert decide([placed("r0", "promote", 10.0, ["n1"], trainable="replay", micro_batch_size=2),
-                   placed("r1", "promote", 5.0, ["n2"], trainable="replay", micro_batch_size=4)]).placements is None
+    assert decide([placed("r0", "promote", 10.0, ["n1"], replayed_from="t.jsonl", micro_batch_size=2),
+                   placed("r1", "promote", 5.0, ["n2"], replayed_from="t.jsonl", micro_batch_size=4)]).placements is None
 
 
 def test_gain_over_bring_up_is_quoted_between_runs_of_equal_length_with_its_interval() -> None:

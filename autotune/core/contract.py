@@ -329,6 +329,12 @@ class Contract(_Record):
     A replay's is the recorded start-up it charged."""
     steady_window: SteadyWindow | None = None
 
+    @property
+    def measured_on(self) -> tuple[WorkerPlacement, ...] | None:
+        """Where its ranks ran, where that is where it measured: ``None`` where it does not say,
+        and for a replay (it ran here what a table recorded elsewhere)."""
+        return self.workers if self.workers and self.replayed_from is None else None
+
     def to_json(self) -> dict[str, Any]:
         return self.model_dump(mode="json", exclude_unset=True)
 

@@ -15,7 +15,6 @@ from typing import Callable
 from pydantic import BaseModel, ConfigDict
 
 from autotune.core.knobs import Config, ConfigField
-from autotune.core.registry import REPLAY
 from autotune.core.steady import ProcessSpread, SteadyEstimate, over_processes, process_spread
 from autotune.engine.records import RERUN_CAUSES, EntryOutcome, Launch, TrialEntry
 
@@ -115,10 +114,10 @@ def placements(runs: list[TrialEntry]) -> int | None:
     where a run did not say, or replayed a recorded burst (it ran here, its measurement elsewhere)."""
     seen = set()
     for run in runs:
-        contract = run.contract
-        if contract is None or not contract.workers or contract.trainable == REPLAY:
+        workers = run.contract.measured_on if run.contract is not None else None
+        if workers is None:
             return None
-        seen.add(tuple((worker.node_id, worker.accelerator_id) for worker in contract.workers))
+        seen.add(tuple((worker.node_id, worker.accelerator_id) for worker in workers))
     return len(seen) or None
 
 

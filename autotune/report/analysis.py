@@ -307,7 +307,7 @@ def _flags(report: RunReport, campaign) -> list[Flag]:
                                      "and devices (a node lost, or other GPUs of the node): the verdict's gaps hold "
                                      "the machines' differences, which reached 13–47 % between H100s"))
     screened_on = {worker.node_id for e in report.launched("screen") if e.contract is not None
-                   and e.contract.trainable != "replay" for worker in e.contract.workers or ()}
+                   for worker in e.contract.measured_on or ()}
     if len(screened_on) > 1:
         flags.append(Flag("note", f"the screens ran on {len(screened_on)} nodes: where machines differ, a screen's "
                                   "place among the others holds its node's speed (promotion compares on one)"))

@@ -13,7 +13,6 @@ from typing import Any
 
 from autotune.core.contract import Shapes
 from autotune.core.knobs import Config
-from autotune.core.registry import REPLAY
 from autotune.report.analysis import RunReport
 
 
@@ -49,8 +48,7 @@ class Side:
     workload: Workload
     shapes: Shapes | None
     nodes: frozenset[str] | None = None
-    """The nodes the figure's run ran on, where its contract says (a replay's does not: it ran here
-    what was measured elsewhere)."""
+    """The nodes the figure's run measured on, where its contract says (:attr:`Contract.measured_on`)."""
 
 
 @dataclass(frozen=True)
@@ -94,8 +92,8 @@ def side(report: RunReport) -> Side:
             data_realism=contract.data.realism if contract is not None and contract.data is not None else None,
             precision=contract.precision if contract is not None else None, objective=report.objective),
         shapes=contract.shapes if contract is not None else None,
-        nodes=frozenset(worker.node_id for worker in contract.workers)
-        if contract is not None and contract.workers and contract.trainable != REPLAY else None,
+        nodes=frozenset(worker.node_id for worker in contract.measured_on)
+        if contract is not None and contract.measured_on else None,
     )
 
 
