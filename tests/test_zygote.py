@@ -283,8 +283,9 @@ def join_world(relay, folder: str, rank: int, world_size: int, healthy: bool):
 
 def test_kept_ranks_of_several_run_in_the_world_they_made_until_one_of_them_is_replaced(warm: str,
                                                                                        tmp_path: Path) -> None:
-    """Two ranks kept together join the world their first burst made; once one is replaced (its
-    check failed), both make a new world; a burst of another size in a kept rank makes its own."""
+    """Two ranks kept together join the world their first burst made, without a store of its own;
+    once one is replaced (its check failed), both make a new world; a burst of another size in a
+    kept rank makes its own."""
     def run(world_size: int = 2, healthy: tuple[bool, ...] = (True, True)) -> list[tuple[str, float, int, bool]]:
         folder = tmp_path / f"burst{len(list(tmp_path.iterdir()))}"
         folder.mkdir()
@@ -306,6 +307,8 @@ def test_kept_ranks_of_several_run_in_the_world_they_made_until_one_of_them_is_r
     world, pids = first[0][0], [pid for *_, pid, _ in first]
     assert [(w, total, kept) for w, total, _, kept in first] == [(world, 3.0, False)] * 2
     assert run() == [(world, 3.0, pid, True) for pid in pids]
+    assert (tmp_path / "burst0" / launch.STORE_PORT_FILE).exists()
+    assert not (tmp_path / "burst1" / launch.STORE_PORT_FILE).exists()  # the kept world needed none
     assert run(healthy=(True, False)) == [(world, 3.0, pid, True) for pid in pids]  # rank 1 exits after
     _wait_until_gone(pids[1])
     (world_0, total_0, pid_0, kept_0), (world_1, total_1, _, kept_1) = run()
@@ -438,6 +441,22 @@ def test_a_rank_that_never_joins_is_named_once_the_rendezvous_times_out(tmp_path
     with pytest.raises(TimeoutError, match="rank 0 did not serve the burst's store within 1 s"):
         launch._rendezvous_store(str(tmp_path), 1, 2)
     assert time.monotonic() - started < 10
+
+
+def test_the_ranks_keep_a_world_only_where_all_hold_it_and_name_a_rank_that_never_says(tmp_path: Path,
+                                                                                       monkeypatch) -> None:
+    """Each rank says which world it holds in the burst's folder; all keep it only where every rank
+    holds the same one, and a rank that never says is named within the rendezvous timeout."""
+    monkeypatch.setattr(launch, "RENDEZVOUS_TIMEOUT", timedelta(seconds=1))
+    for peer, mine, kept in (("w", "w", True), ("", "w", False), ("v", "w", False), ("w", None, False)):
+        folder = tmp_path / f"{peer}-{mine}"
+        folder.mkdir()
+        (folder / "rank1.holds").write_text(peer)
+        assert launch._all_ranks_hold(str(folder), 0, 2, mine) is kept
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    with pytest.raises(TimeoutError, match=r"rank\(s\) 1, 2 of 3 did not come to the burst within 1 s"):
+        launch._all_ranks_hold(str(alone), 0, 3, "w")
 
 
 def test_a_straggler_writes_where_it_was_stuck_before_it_is_killed(warm: str, tmp_path: Path) -> None:

@@ -239,37 +239,52 @@ def _join_process_group(backend: str, folder: str, rank: int, world_size: int) -
     ``bench/results/h100_kept_ranks_te_20261206/``), and a new one pays its communicators' set-up
     again at its first collectives. A world of one has no peer that could have been replaced since;
     a world of more is kept only where all of this burst's ranks hold the same world, at the same
-    rank: one new process among them (a peer replaced after an out of memory) and all make a new one."""
+    rank: one new process among them (a peer replaced after an out of memory) and all make a new one.
+
+    The ranks agree on that through files (:func:`_all_ranks_hold`), and a store is made only for a
+    new world, once the old one is gone. In a CI run of 2026-12-08, twice, a kept rank 0's new store
+    never answered, neither its peer nor rank 0's own client, for 120 s, while the world an earlier
+    burst made held that process's earlier store; the same two tests then passed 15 times in a row
+    alone, so what stalled it was not caught, and a kept world no longer makes a second store.
+    """
     global _world_id
     import torch.distributed as dist
 
     held = dist.is_initialized() and dist.get_backend() == backend and dist.get_world_size() == world_size
     if held and world_size == 1:
         return
-    store = _rendezvous_store(folder, rank, world_size)
-    if _all_ranks_hold(store, rank, world_size, _world_id if held and dist.get_rank() == rank else None):
+    if _all_ranks_hold(folder, rank, world_size, _world_id if held and dist.get_rank() == rank else None):
         return
     if dist.is_initialized():
         dist.destroy_process_group()
         kept_groups.forget()  # they went with the world
+    store = _rendezvous_store(folder, rank, world_size)
     if rank == 0:
         store.set("world", uuid.uuid4().hex)
     _world_id = store.get("world").decode()
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=RANK_TIMEOUT)
 
 
-def _all_ranks_hold(store: torch.distributed.Store, rank: int, world_size: int, world: str | None) -> bool:
-    """Whether every rank of the burst holds ``world`` (this rank's, ``None``: none to offer), asked
-    through the burst's store; the same answer on every rank. Rank 0 serves the store and returns
-    only once every peer has read the answer: a kept world no longer needs the store, which goes
-    with rank 0's return."""
-    store.set(f"rank {rank} holds", world or "")
-    held = [store.get(f"rank {peer} holds").decode() for peer in range(world_size)]
-    if rank == 0:
-        store.wait([f"rank {peer} read" for peer in range(1, world_size)])
-    else:
-        store.set(f"rank {rank} read", "")
-    return world is not None and all(other == world for other in held)
+def _all_ranks_hold(folder: str, rank: int, world_size: int, world: str | None) -> bool:
+    """Whether every rank of the burst holds ``world`` (this rank's, ``None``: none to offer), each
+    rank's answer a file in ``folder`` (the burst's own, on this machine); the same answer on every
+    rank. A rank whose file has not come within :data:`RENDEZVOUS_TIMEOUT` is named."""
+    _write_whole(Path(folder, f"rank{rank}.holds"), world or "")
+    deadline = time.monotonic() + RENDEZVOUS_TIMEOUT.total_seconds()
+    answers = [Path(folder, f"rank{peer}.holds") for peer in range(world_size)]
+    while missing := [peer for peer, answer in enumerate(answers) if not answer.exists()]:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank(s) {', '.join(map(str, missing))} of {world_size} did not come to the "
+                               f"burst within {RENDEZVOUS_TIMEOUT.total_seconds():.0f} s")
+        time.sleep(0.005)
+    return world is not None and all(answer.read_text() == world for answer in answers)
+
+
+def _write_whole(path: Path, text: str) -> None:
+    """Write ``path`` so that a reader finds it whole or not at all."""
+    written = path.with_suffix(".partial")
+    written.write_text(text)
+    written.rename(path)
 
 
 STORE_PORT_FILE = "store_port"
@@ -291,9 +306,7 @@ def _rendezvous_store(folder: str, rank: int, world_size: int) -> torch.distribu
     if rank == 0:
         store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=RENDEZVOUS_TIMEOUT,
                               wait_for_workers=False)
-        written = path.with_suffix(".partial")
-        written.write_text(str(store.port))
-        written.rename(path)  # whole, or not there
+        _write_whole(path, str(store.port))
         joined = [f"rank {peer} joined" for peer in range(1, world_size)]
         try:
             store.wait(joined, RENDEZVOUS_TIMEOUT)
