@@ -158,6 +158,56 @@ def test_a_local_promotion_run_pinned_to_a_node_runs_there(tmp_path: Path) -> No
         cluster.shutdown()
 
 
+def test_a_promotion_run_pinned_to_a_node_that_left_runs_once_more_on_the_nodes_alive(tmp_path: Path,
+                                                                                         monkeypatch) -> None:
+    """The race the searcher's alive check cannot close: the node goes after the run was pinned to
+    it and before Ray placed it. Ray would wait for that node for ever (checked: with Tune's own
+    FIFO scheduler this run never ends); the stage's scheduler ends the run ``node_lost``, charges
+    it nothing, and its retry runs, unpinned, on the node still there."""
+    from ray.tune.search import ConcurrencyLimiter
+
+    from autotune.core.registry import REPLAY
+    from autotune.engine import tune_roles
+    from autotune.engine.ledger import Ledger
+    from autotune.engine.records import Launch
+    from autotune.engine.trial import TrialJob
+
+    cluster = multi_node_cluster(num_cpus=1)
+    leaving = cluster.add_node(num_cpus=1)
+    join_cluster(cluster.address)
+    try:
+        head = ray.get_runtime_context().get_node_id()
+        (gone,) = {n["NodeID"] for n in ray.nodes()} - {head}
+        cluster.remove_node(leaving)
+        campaign = load_campaign(campaign_file(tmp_path, max_trials=1))
+        ledger = Ledger(create_run_dir(campaign, tmp_path / "runs"), world_size=1, warmup_steps=1,
+                        target_relative_half_width=0.02, benchmark_only=False)
+        pinned = iter([(gone,)])
+        monkeypatch.setattr(tune_roles, "promotion_nodes", lambda *_: next(pinned, None))  # alive when checked
+        promotion = Launch(stage="promote", space=campaign.space.name, config=complete_config({}),
+                           origin="promotion")
+        searcher = tune_roles.ListSearcher([promotion], ledger, steps=2)
+        job = TrialJob(trainable=REPLAY, request=campaign.burst_request(complete_config({}), 2), launcher="local",
+                       objective=campaign.spec.objective, use_gpu=False, storage_path=str(tmp_path / "train"),
+                       data_source=campaign.spec.data.source)
+
+        def where_it_ran(params: dict) -> None:  # nested: pickled by value, as the workers cannot import tests
+            tune.report({"node": ray.get_runtime_context().get_node_id()})
+
+        tuner = tune.Tuner(tune.with_resources(where_it_ran, job.resources),
+                           tune_config=tune.TuneConfig(search_alg=ConcurrencyLimiter(searcher, max_concurrent=1),
+                                                       scheduler=tune_roles.PinnedRunScheduler(ledger), num_samples=2),
+                           run_config=tune.RunConfig(storage_path=str(tmp_path / "tune"), verbose=0))
+        results = [result.metrics.get("node") for result in tuner.fit()]
+        (stranded,) = [e for e in ledger.entries if e.cause == "node_lost"]
+        assert stranded.outcome == "failed" and stranded.device_seconds == 0.0 and gone in stranded.reason
+        assert [e.retry_of for e in ledger.entries] == [None, stranded.trial_id]
+        assert results == [None, head]  # the retry ran, on the node still there
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
 def test_a_promotion_run_holds_the_domains_of_its_nodes() -> None:
     planner = DomainPlanner.from_nodes([{"NodeID": "n1", **node("a")}, {"NodeID": "n2", **node("b")},
                                         {"NodeID": "n3", **node(None)}])

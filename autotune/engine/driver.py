@@ -149,11 +149,9 @@ def _domain_planner(job: TrialJob, view: LiveView) -> DomainPlanner | None:
 def _tune_space(campaign: Campaign, space: SearchSpace, study_name: str, run_dir: RunDir, ledger: Ledger,
                 job: TrialJob, view: LiveView, memory_limit: float | None, planner: DomainPlanner | None) -> None:
     """Screen ``space`` within the budget, then promote its best configs."""
-    from ray.tune.schedulers import FIFOScheduler
-
     from autotune.engine.tune_roles import (
-        Budget, BudgetStopper, EarlyPromotion, HangWatchdog, ListSearcher, RecordingCallback, ScreeningScheduler,
-        StudySearcher,
+        Budget, BudgetStopper, EarlyPromotion, HangWatchdog, ListSearcher, PinnedRunScheduler, RecordingCallback,
+        ScreeningScheduler, StudySearcher,
     )
 
     spec = campaign.spec
@@ -196,7 +194,7 @@ def _tune_space(campaign: Campaign, space: SearchSpace, study_name: str, run_dir
         _run_stage(
             "promote", job, run_dir, view,
             searcher=ListSearcher(candidates, ledger, spec.stages.promote_steps, planner, job.request.world_size),
-            scheduler=FIFOScheduler(),  # promotion runs every step: nothing to decide
+            scheduler=PinnedRunScheduler(ledger),  # promotion runs every step: nothing to decide but where
             samples=2 * len(candidates), stopper=None, callbacks=callbacks,
         )
 

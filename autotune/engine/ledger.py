@@ -56,6 +56,8 @@ class LiveTrial:
     """Why the watchdog killed it, once it has."""
     not_started: str | None = None
     """Why Tune ended it before its trainable ran, once it has."""
+    stranded: str | None = None
+    """Why it was ended while it waited to start on nodes that had left the cluster, once it has."""
     error_text: Callable[[], str | None] = lambda: None
     """What Tune wrote of the trial's error (its ``error.txt``), once it failed."""
 
@@ -138,7 +140,7 @@ class Ledger:
             if seconds > 0 else None,
             peak_memory_bytes=trial.peak_memory_bytes or None,
             wall_seconds=time.monotonic() - trial.started,
-            device_seconds=trial.charged_seconds() * self.world_size,
+            device_seconds=0.0 if trial.stranded is not None else trial.charged_seconds() * self.world_size,
             training_device_seconds=sum(trial.step_seconds) * self.world_size,
             outside_steps=self._outside_steps(trial),
             first_step_excess=first_step_excess(trial.step_seconds, self.world_size),
@@ -186,6 +188,8 @@ class Ledger:
             return "hung", "watchdog", trial.hung
         if trial.not_started is not None:
             return "failed", "not_started", trial.not_started
+        if trial.stranded is not None:
+            return "failed", "node_lost", trial.stranded
         lost = node_lost(trial.end.error if trial.end is not None else None) or \
             (node_lost(trial.error_text()) if errored else None)
         if lost is not None:

@@ -256,15 +256,52 @@ class ListSearcher(_StageSearcher):
             self.pending = kept
 
 
-class ScreeningScheduler(_DriverOnly, FIFOScheduler):
+PINNED_CHECK_PERIOD_S = 5.0
+"""How often a stage asks Ray which nodes are alive while a pinned run waits to start."""
+
+
+class PinnedRunScheduler(_DriverOnly, FIFOScheduler):
+    """Runs trials first come, first served, and ends a promotion run still waiting to start on
+    nodes that have left the cluster (lost between the searcher's check and Ray's placement, or
+    while the run waited for their slots). Ray would wait for them for ever, its placement group
+    infeasible, and the stage with it. The run is recorded ``failed`` with the cause ``node_lost``,
+    charged nothing (it never held a device), and runs once more on the nodes then alive.
+    Promotion's own scheduler; screening's extends it (an early promotion is pinned too)."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        super().__init__()
+        self.ledger = ledger
+        self.looked_at = 0.0
+
+    def choose_trial_to_run(self, tune_controller) -> Trial | None:
+        self._end_stranded(tune_controller)
+        return super().choose_trial_to_run(tune_controller)
+
+    def _end_stranded(self, tune_controller) -> None:
+        waiting = [trial for trial in tune_controller.get_trials()
+                   if trial.status == Trial.PENDING and trial.config.get("nodes")]
+        if not waiting or time.monotonic() - self.looked_at < PINNED_CHECK_PERIOD_S:
+            return
+        self.looked_at = time.monotonic()
+        alive = {node["NodeID"] for node in ray.nodes() if node.get("Alive")}
+        for trial in waiting:
+            if gone := [node for node in trial.config["nodes"] if node not in alive]:
+                reason = f"node {', '.join(gone)} left the cluster before the run it was pinned to started"
+                log.warning("trial %s: %s; it runs once more", trial.trial_id, reason)
+                if (live := self.ledger.live.get(trial.trial_id)) is not None:
+                    live.stranded = reason
+                trial.init_local_path()  # Tune names a trial's folder when it first places it; its results need one
+                tune_controller.stop_trial(trial)
+
+
+class ScreeningScheduler(PinnedRunScheduler):
     """Decides after each step of a screening trial: stop once the steady interval is tight
     enough (bring-up once it shows it runs: its promotion is its measure), prune once its upper
     bound falls below the best finished trial's lower bound by the margin
     (:func:`autotune.search.screening.screen`); the trial's entry reports the decision."""
 
     def __init__(self, ledger: Ledger, campaign: Campaign) -> None:
-        super().__init__()
-        self.ledger = ledger
+        super().__init__(ledger)
         self.stages = campaign.spec.stages
 
     def on_trial_result(self, tune_controller, trial: Trial, result: dict) -> str:
