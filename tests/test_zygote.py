@@ -5,9 +5,12 @@ reaches the next."""
 from __future__ import annotations
 
 import os
+import selectors
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import replace
 from datetime import timedelta
@@ -441,6 +444,30 @@ def test_a_rank_that_never_joins_is_named_once_the_rendezvous_times_out(tmp_path
     with pytest.raises(TimeoutError, match="rank 0 did not serve the burst's store within 1 s"):
         launch._rendezvous_store(str(tmp_path), 1, 2)
     assert time.monotonic() - started < 10
+
+
+def test_a_kept_childs_word_read_already_never_holds_the_zygote() -> None:
+    """The zygote's loop may see a kept child's word again after serving a request read it (or
+    closed the child's channel) in the same pass: it goes on at once, the channel open (closed),
+    rather than wait for the child's next word, which comes only once its new run ends."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # blocking, as the zygote's
+    with selectors.DefaultSelector() as selector, theirs:
+        selector.register(ours, selectors.EVENT_READ, 1)
+        child = zygote._Child(None, None, frozenset(), keep_as="world", control=ours)
+        children = {1: child}
+        theirs.send(zygote.KEPT)
+        zygote._kept_child_spoke(ours, 1, children, selector)
+        assert child.ready
+        child.ready = False  # handed its next request: it runs
+        again = threading.Thread(target=zygote._kept_child_spoke, args=(ours, 1, children, selector), daemon=True)
+        again.start()  # the word again, read already
+        again.join(timeout=5)
+        alive = again.is_alive()
+        theirs.close()  # the child exited (and a read still waiting ends)
+        assert not alive and child.control is ours, "the zygote waited for the child's next word"
+        zygote._kept_child_spoke(ours, 1, children, selector)
+        assert child.control is None and ours.fileno() == -1
+        zygote._kept_child_spoke(ours, 1, children, selector)  # and seen again once closed
 
 
 def test_the_ranks_keep_a_world_only_where_all_hold_it_and_name_a_rank_that_never_says(tmp_path: Path,

@@ -241,11 +241,8 @@ def _join_process_group(backend: str, folder: str, rank: int, world_size: int) -
     a world of more is kept only where all of this burst's ranks hold the same world, at the same
     rank: one new process among them (a peer replaced after an out of memory) and all make a new one.
 
-    The ranks agree on that through files (:func:`_all_ranks_hold`), and a store is made only for a
-    new world, once the old one is gone. In a CI run of 2026-12-08, twice, a kept rank 0's new store
-    never answered, neither its peer nor rank 0's own client, for 120 s, while the world an earlier
-    burst made held that process's earlier store; the same two tests then passed 15 times in a row
-    alone, so what stalled it was not caught, and a kept world no longer makes a second store.
+    The ranks agree on that through files (:func:`_all_ranks_hold`): a store is made only for a
+    new world, once the old one is gone, and a kept world runs no store's server for the agreement.
     """
     global _world_id
     import torch.distributed as dist

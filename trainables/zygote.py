@@ -289,9 +289,20 @@ def _answer(connection: Connection, message: object) -> None:
 def _kept_child_spoke(control: socket.socket, pid: int, children: dict[int, _Child],
                       selector: selectors.BaseSelector) -> None:
     """A kept child's run is done (its requester hears exit code 0), or it passed its check and
-    waits for the next request, or its channel closed (it exited: the exit is reported on SIGCHLD)."""
+    waits for the next request, or its channel closed (it exited: the exit is reported on SIGCHLD).
+
+    Never waits: the event may be stale. Serving a request in the same pass of the zygote's loop
+    may have read what the child said already (:func:`_wait_for_checks`) or closed its channel; a
+    blocking read then waited for the child's next word, which comes only once its new run ends.
+    Where that run was a burst's first rank, the zygote could not serve the second rank's request,
+    and the first rank waited for it until it gave up (CI, 2026-12-08: "rank(s) 1 of 2 did not
+    come", after 120 s, three times in two runs; the second rank then ran, alone)."""
+    if control.fileno() == -1:  # closed while a request was served
+        return
     try:
-        message = control.recv(len(KEPT))
+        message = control.recv(len(KEPT), socket.MSG_DONTWAIT)
+    except BlockingIOError:  # read while a request was served
+        return
     except OSError:
         message = b""
     child = children.get(pid)
