@@ -9,8 +9,9 @@ watchdog and the live view — timed around each call, and the CPU time the driv
 them (on this 2-core box 16 trial processes and five raylets compete with the driver, so a call's
 wall time also counts the time it waited for a core). It is reported as a share of the campaign's wall time, and as
 a share of the wall time the recorded campaign would take on its devices (the replayed
-device-seconds over the concurrency): the first is dominated by Ray starting 200 trial processes on
-this box, the second is what a user's overnight campaign pays.
+device-seconds over the concurrency): the first was dominated by Ray starting 200 trial processes
+on this box until replays reused their trial processes, and is now mostly the driver's own loop;
+the second is what a user's overnight campaign pays.
 
 The rows: 200 distinct launched trials need a space larger than any recorded table, so the space
 is ``cpu_demo`` with micro-batch sizes 1-12, and a config of MBS m replays the recorded row
@@ -54,6 +55,7 @@ TIMED = {
     tune_roles.StudySearcher: ("suggest", "on_trial_complete"),
     tune_roles.ListSearcher: ("suggest", "on_trial_complete"),
     tune_roles.ScreeningScheduler: ("on_trial_result",),
+    tune_roles.PinnedRunScheduler: ("choose_trial_to_run",),  # both stages' schedulers, every step of Tune's loop
     tune_roles.RecordingCallback: ("on_trial_start", "on_trial_result"),
     tune_roles.BudgetStopper: ("__call__", "stop_all"),
     tune_roles.HangWatchdog: ("on_step_end",),
