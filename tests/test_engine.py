@@ -636,6 +636,66 @@ def test_the_ledger_keeps_the_best_screen_and_the_spend_as_entries_arrive(tmp_pa
                   benchmark_only=False).best_entry() == ledger.best_entry()
 
 
+def test_promotion_runs_pinned_to_a_lost_node_that_have_not_begun_end_node_lost_and_run_again(tmp_path: Path,
+                                                                                                monkeypatch) -> None:
+    """Runs pinned to a node gone from the cluster: one still pending (Ray would wait for ever) and
+    one running without a step (a Ray Train worker group waiting for its node) end ``node_lost``,
+    the pending one charged nothing, and each runs once more; a run with a step in, or pinned to
+    live nodes, is left alone; Ray is asked at most once every few seconds."""
+    from ray.tune.experiment import Trial
+    from ray.tune.search import ConcurrencyLimiter
+
+    from autotune.engine import tune_roles
+    from autotune.engine.ledger import Ledger
+
+    ledger = Ledger(RunDir(tmp_path), world_size=1, warmup_steps=1, target_relative_half_width=0.02,
+                    benchmark_only=False)
+    chosen = promotion_candidates([entry(name, "screen", 30.0 - i, micro_batch_size=m)
+                                   for i, (name, m) in enumerate([("a", 1), ("b", 2), ("c", 4), ("d", 8)])],
+                                  4, "s", 0.5)
+    searcher = tune_roles.ListSearcher(chosen, ledger, steps=50)
+    limiter = ConcurrencyLimiter(searcher, max_concurrent=4)
+    asks = []
+    monkeypatch.setattr(tune_roles.ray, "nodes", lambda: asks.append(1) or [{"NodeID": "n1", "Alive": True},
+                                                                            {"NodeID": "n2", "Alive": False}])
+
+    class Run:  # what the scheduler reads of Tune's trial
+        def __init__(self, trial_id: str, status: str, nodes: list[str]) -> None:
+            self.trial_id, self.status, self.config = trial_id, status, {"nodes": nodes}
+
+        def init_local_path(self) -> None:
+            pass
+
+    class Controller:  # Tune's, as a scheduler sees it: stopping a trial tells the search algorithm
+        def __init__(self, runs: list[Run]) -> None:
+            self.runs, self.stopped = runs, []
+
+        def get_trials(self) -> list[Run]:
+            return self.runs
+
+        def stop_trial(self, run: Run) -> None:
+            self.stopped.append(run.trial_id)
+            limiter.on_trial_complete(run.trial_id)
+
+    for trial_id in ("pending", "building", "stepping", "alive"):
+        assert limiter.suggest(trial_id) is not None
+    ledger.live["stepping"].last_report = time.monotonic()
+    controller = Controller([Run("pending", Trial.PENDING, ["n2"]), Run("building", Trial.RUNNING, ["n2"]),
+                             Run("stepping", Trial.RUNNING, ["n2"]), Run("alive", Trial.PENDING, ["n1"])])
+    scheduler = tune_roles.PinnedRunScheduler(ledger)
+    scheduler.choose_trial_to_run(controller)
+    assert controller.stopped == ["pending", "building"] and len(asks) == 1
+    ended = {e.trial_id: e for e in ledger.entries}
+    assert {e.cause for e in ended.values()} == {"node_lost"} and "n2" in ended["pending"].reason
+    assert ended["pending"].device_seconds == 0.0 < ended["building"].device_seconds
+    retries = [limiter.suggest(f"again{i}") for i in range(2)]  # their slots came back: each runs once more
+    assert sorted(ledger.live[f"again{i}"].launch.retry_of for i in range(2)) == ["building", "pending"]
+    assert all(retry["nodes"] is None for retry in retries)  # no promotion run has said where it ran yet
+    controller.runs.append(Run("again0", Trial.PENDING, ["n2"]))
+    scheduler.choose_trial_to_run(controller)  # within the period: Ray is not asked again
+    assert len(asks) == 1 and controller.stopped == ["pending", "building"]
+
+
 def test_a_trial_tune_ends_before_it_starts_is_told_to_the_searcher_and_runs_once_more(tmp_path) -> None:
     """With actor reuse, Tune marks a trial ERROR without a word to the searcher when the process it
     would reuse is still busy (Ray 2.60's ``_on_trial_reset``); the searcher would wait for it

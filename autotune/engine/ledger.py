@@ -57,7 +57,9 @@ class LiveTrial:
     not_started: str | None = None
     """Why Tune ended it before its trainable ran, once it has."""
     stranded: str | None = None
-    """Why it was ended while it waited to start on nodes that had left the cluster, once it has."""
+    """Why it was ended before it began, its pinned nodes gone from the cluster, once it has."""
+    placed: bool = True
+    """``False`` once it was ended still waiting for Ray to place it: it never held a device."""
     error_text: Callable[[], str | None] = lambda: None
     """What Tune wrote of the trial's error (its ``error.txt``), once it failed."""
 
@@ -140,7 +142,7 @@ class Ledger:
             if seconds > 0 else None,
             peak_memory_bytes=trial.peak_memory_bytes or None,
             wall_seconds=time.monotonic() - trial.started,
-            device_seconds=0.0 if trial.stranded is not None else trial.charged_seconds() * self.world_size,
+            device_seconds=trial.charged_seconds() * self.world_size if trial.placed else 0.0,
             training_device_seconds=sum(trial.step_seconds) * self.world_size,
             outside_steps=self._outside_steps(trial),
             first_step_excess=first_step_excess(trial.step_seconds, self.world_size),

@@ -261,11 +261,14 @@ PINNED_CHECK_PERIOD_S = 5.0
 
 
 class PinnedRunScheduler(_DriverOnly, FIFOScheduler):
-    """Runs trials first come, first served, and ends a promotion run still waiting to start on
-    nodes that have left the cluster (lost between the searcher's check and Ray's placement, or
-    while the run waited for their slots). Ray would wait for them for ever, its placement group
-    infeasible, and the stage with it. The run is recorded ``failed`` with the cause ``node_lost``,
-    charged nothing (it never held a device), and runs once more on the nodes then alive.
+    """Runs trials first come, first served, and ends a promotion run that has not begun on nodes
+    that have left the cluster (lost between the searcher's check and Ray's placement, or while the
+    run waited for their slots): still pending, Ray would wait for them for ever, its placement
+    group infeasible, and the stage with it; running without a step, a Ray Train worker group
+    pinned to them starts again every 60 s for ever (Ray 2.60 retries a worker group's start
+    timeout without limit), until the hang watchdog kills the run as ``hung``, which would rule the
+    config out. The run is recorded ``failed`` with the cause ``node_lost`` and runs once more
+    on the nodes then alive; one still pending is charged nothing (it never held a device).
     Promotion's own scheduler; screening's extends it (an early promotion is pinned too)."""
 
     def __init__(self, ledger: Ledger) -> None:
@@ -277,19 +280,25 @@ class PinnedRunScheduler(_DriverOnly, FIFOScheduler):
         self._end_stranded(tune_controller)
         return super().choose_trial_to_run(tune_controller)
 
+    def _not_begun(self, trial: Trial) -> bool:
+        if trial.status == Trial.PENDING:
+            return True
+        live = self.ledger.live.get(trial.trial_id)
+        return trial.status == Trial.RUNNING and live is not None and live.last_report is None
+
     def _end_stranded(self, tune_controller) -> None:
-        waiting = [trial for trial in tune_controller.get_trials()
-                   if trial.status == Trial.PENDING and trial.config.get("nodes")]
+        waiting = [trial for trial in tune_controller.get_trials() if trial.config.get("nodes") and self._not_begun(trial)]
         if not waiting or time.monotonic() - self.looked_at < PINNED_CHECK_PERIOD_S:
             return
         self.looked_at = time.monotonic()
         alive = {node["NodeID"] for node in ray.nodes() if node.get("Alive")}
         for trial in waiting:
             if gone := [node for node in trial.config["nodes"] if node not in alive]:
-                reason = f"node {', '.join(gone)} left the cluster before the run it was pinned to started"
+                reason = f"node {', '.join(gone)} left the cluster before the run pinned to it began"
                 log.warning("trial %s: %s; it runs once more", trial.trial_id, reason)
                 if (live := self.ledger.live.get(trial.trial_id)) is not None:
                     live.stranded = reason
+                    live.placed = trial.status != Trial.PENDING
                 trial.init_local_path()  # Tune names a trial's folder when it first places it; its results need one
                 tune_controller.stop_trial(trial)
 
