@@ -295,8 +295,8 @@ def _kept_child_spoke(control: socket.socket, pid: int, children: dict[int, _Chi
     may have read what the child said already (:func:`_wait_for_checks`) or closed its channel; a
     blocking read then waited for the child's next word, which comes only once its new run ends.
     Where that run was a burst's first rank, the zygote could not serve the second rank's request,
-    and the first rank waited for it until it gave up (CI, 2026-12-08: "rank(s) 1 of 2 did not
-    come", after 120 s, three times in two runs; the second rank then ran, alone)."""
+    and the first rank waited for it until it gave up (CI, 2026-12-08, three times in two runs:
+    rank 0 waited 120 s for rank 1, which then ran alone)."""
     if control.fileno() == -1:  # closed while a request was served
         return
     try:

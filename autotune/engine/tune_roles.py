@@ -287,7 +287,8 @@ class PinnedRunScheduler(_DriverOnly, FIFOScheduler):
         return trial.status == Trial.RUNNING and live is not None and live.last_report is None
 
     def _end_stranded(self, tune_controller) -> None:
-        waiting = [trial for trial in tune_controller.get_trials() if trial.config.get("nodes") and self._not_begun(trial)]
+        waiting = [trial for trial in tune_controller.get_trials()
+                   if trial.config.get("nodes") and self._not_begun(trial)]
         if not waiting or time.monotonic() - self.looked_at < PINNED_CHECK_PERIOD_S:
             return
         self.looked_at = time.monotonic()
