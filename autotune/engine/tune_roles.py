@@ -152,8 +152,7 @@ class _StageSearcher(_DriverOnly, Searcher):
                 "nodes": None if nodes is None else list(nodes), "new_rank_processes": launch.stage == "promote"}
 
     def _promotion_nodes(self) -> tuple[str, ...] | None:
-        return promotion_nodes(self.ledger.entries, self.workers,
-                               lambda: {node["NodeID"] for node in ray.nodes() if node.get("Alive")})
+        return promotion_nodes(self.ledger.entries, self.workers, _alive_nodes)
 
     def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
         if self.planner is not None:
@@ -256,6 +255,11 @@ class ListSearcher(_StageSearcher):
             self.pending = kept
 
 
+def _alive_nodes() -> set[str]:
+    """The ids of the cluster's live nodes, as Ray says now."""
+    return {node["NodeID"] for node in ray.nodes() if node.get("Alive")}
+
+
 PINNED_CHECK_PERIOD_S = 5.0
 """How often a stage asks Ray which nodes are alive while a pinned run waits to start."""
 
@@ -287,12 +291,14 @@ class PinnedRunScheduler(_DriverOnly, FIFOScheduler):
         return trial.status == Trial.RUNNING and live is not None and live.last_report is None
 
     def _end_stranded(self, tune_controller) -> None:
-        waiting = [trial for trial in tune_controller.get_trials()
-                   if trial.config.get("nodes") and self._not_begun(trial)]
-        if not waiting or time.monotonic() - self.looked_at < PINNED_CHECK_PERIOD_S:
+        # Tune asks at every step of its loop: the trials are looked at once a period, Ray only then
+        # and only while a pinned run waits.
+        if time.monotonic() - self.looked_at < PINNED_CHECK_PERIOD_S:
             return
         self.looked_at = time.monotonic()
-        alive = {node["NodeID"] for node in ray.nodes() if node.get("Alive")}
+        waiting = [trial for trial in tune_controller.get_trials()
+                   if trial.config.get("nodes") and self._not_begun(trial)]
+        alive = _alive_nodes() if waiting else set()
         for trial in waiting:
             if gone := [node for node in trial.config["nodes"] if node not in alive]:
                 reason = f"node {', '.join(gone)} left the cluster before the run pinned to it began"
